@@ -1,0 +1,112 @@
+"""Peak memory of a block of code, measured rather than estimated.
+
+Every memory claim st_ext makes (tests, benchmarks, the CLI's per-step report) goes through
+:func:`measure_peak`, so that all figures come from one meter per device and say which one:
+
+* CUDA: the caching allocator's own peak statistic (``torch.cuda.max_memory_allocated``) after
+  ``reset_peak_memory_stats``, minus what was allocated on entry.
+* CPU: the torch profiler's allocation events (``profile_memory=True``), replayed in time order;
+  the highest running total is the peak. It counts tensor storage only (not the Python heap), which
+  is exactly the part that activations, graphs and caches occupy.
+
+Figures are *above the level on entry*: memory already held before the block does not count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+CUDA_METER = "torch.cuda.max_memory_allocated"
+CPU_METER = "torch.profiler allocation events"
+
+
+@dataclass
+class PeakMemory:
+    """What :func:`measure_peak` found; filled in when the block exits."""
+
+    device: torch.device
+    meter: str
+    peak_bytes: int = 0
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / 2**20
+
+    def __str__(self) -> str:
+        return f"{self.peak_mib:.1f} MiB peak on {self.device} ({self.meter})"
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to measure: the given one, else CUDA when present, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@contextlib.contextmanager
+def measure_peak(device: str | torch.device | None = None) -> Iterator[PeakMemory]:
+    """Measure the peak tensor memory allocated on ``device`` inside the ``with`` block.
+
+    >>> with measure_peak("cpu") as mem:
+    ...     x = torch.empty(2**20, dtype=torch.uint8)
+    >>> mem.peak_bytes >= 2**20
+    True
+    """
+    device = resolve_device(device)
+    if device.type == "cuda":
+        with _measure_cuda(device) as result:
+            yield result
+    elif device.type == "cpu":
+        with _measure_cpu(device) as result:
+            yield result
+    else:
+        raise ValueError(f"measure_peak supports 'cpu' and 'cuda' devices, got {device}.")
+
+
+@contextlib.contextmanager
+def _measure_cuda(device: torch.device) -> Iterator[PeakMemory]:
+    result = PeakMemory(device=device, meter=CUDA_METER)
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield result
+    finally:
+        torch.cuda.synchronize(device)
+        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - baseline)
+
+
+@contextlib.contextmanager
+def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
+    from torch.profiler import ProfilerActivity, profile
+
+    result = PeakMemory(device=device, meter=CPU_METER)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    prof.start()
+    try:
+        yield result
+    finally:
+        prof.stop()
+        result.peak_bytes = peak_of_allocation_events(_cpu_allocation_events(prof))
+
+
+def _cpu_allocation_events(prof) -> list[tuple[int, int]]:
+    """(timestamp, signed bytes) of every CPU allocation and free the profiler recorded."""
+    events = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            events.append((event.start_ns(), event.nbytes()))
+    return events
+
+
+def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:
+    """Highest running total of signed allocation sizes, replayed in time order (never below 0)."""
+    running = peak = 0
+    for _, nbytes in sorted(events):
+        running += nbytes
+        peak = max(peak, running)
+    return peak

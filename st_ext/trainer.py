@@ -1,0 +1,64 @@
+"""Trainers with the upstream signatures whose ``gradient_checkpointing=True`` works on any model.
+
+The Hugging Face Trainer switches checkpointing on by calling a method on the model: transformers 4
+calls ``gradient_checkpointing_enable``, which a sentence-transformers 4.x ``CrossEncoder`` lacks
+(``AttributeError``); transformers 5 prefers ``activation_checkpointing_enable``, which no
+sentence-transformers release defines (a deprecation warning, then the old name). st_ext's trainers
+lend st_ext's switches (:class:`st_ext.models.CheckpointingMixin`) to a plain upstream model for the
+duration of ``train()`` and take them back afterwards, so the user's model object ends as it began,
+apart from the checkpointing state it asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Iterator
+
+import sentence_transformers
+from torch import nn
+
+from st_ext.models import CheckpointingMixin
+
+_LENT_METHODS = (
+    "gradient_checkpointing_enable",
+    "gradient_checkpointing_disable",
+    "activation_checkpointing_enable",
+    "activation_checkpointing_disable",
+)
+
+
+@contextlib.contextmanager
+def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
+    """Give ``model`` st_ext's checkpointing methods while the block runs, unless it already has them."""
+    if model is None or isinstance(model, CheckpointingMixin):
+        yield
+        return
+    missing = object()
+    previous = {name: model.__dict__.get(name, missing) for name in _LENT_METHODS}
+    for name in _LENT_METHODS:
+        model.__dict__[name] = types.MethodType(getattr(CheckpointingMixin, name), model)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is missing:
+                model.__dict__.pop(name, None)
+            else:
+                model.__dict__[name] = value
+
+
+class CheckpointingTrainerMixin:
+    """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds."""
+
+    def train(self, *args, **kwargs):
+        with lend_checkpointing_methods(self.model):
+            return super().train(*args, **kwargs)
+
+
+class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformers.SentenceTransformerTrainer):
+    """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model."""
+
+
+class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.CrossEncoderTrainer):
+    """Upstream ``CrossEncoderTrainer``; ``gradient_checkpointing=True`` works on every supported version."""

