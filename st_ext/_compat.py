@@ -58,6 +58,19 @@ def preprocess(model: nn.Module, texts: list) -> dict:
     return method(texts)
 
 
+def embedding_dimension(model: nn.Module) -> int | None:
+    """The model's output embedding size (``get_sentence_embedding_dimension`` was renamed in 6.0)."""
+    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return method()
+
+
+def checkpointing_training_args(enabled: bool) -> dict[str, bool]:
+    """The TrainingArguments keyword that switches checkpointing (transformers 5 renamed it)."""
+    if HF_HAS_ACTIVATION_CHECKPOINTING:
+        return {"activation_checkpointing": enabled}
+    return {"gradient_checkpointing": enabled}
+
+
 def hf_checkpointing_enable(model: transformers.PreTrainedModel, checkpoint_kwargs: dict, **extra: Any) -> None:
     """Switch checkpointing on in a Hugging Face model by the name its transformers version prefers.
 
