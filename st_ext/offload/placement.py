@@ -1,0 +1,163 @@
+"""Where a frozen module's tensors live: :func:`offload`, :func:`onload` and :func:`on_device`.
+
+A frozen encoder only needs the accelerator for its own forward pass; these move it there and
+away again, keeping its parameter objects so that optimizers and holders see the same tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from st_ext.offload.accelerate_hooks import _remove_accelerate_hooks_for_move
+from st_ext.offload.guards import refuse_if_released, refuse_if_trainable
+
+
+def offload(
+    module: nn.Module,
+    device: str | torch.device = "cpu",
+    *,
+    optimizers: Iterable[Any] = (),
+    force: bool = False,
+) -> nn.Module:
+    """Move a frozen ``module`` off the accelerator (to ``device``, CPU by default); returns it.
+
+    accelerate hooks (a ``device_map`` dispatch) are removed first, because they would move inputs
+    back to the devices of the map on the next forward. The module keeps its parameter objects,
+    so an optimizer or a loss that holds them still sees the same tensors.
+    """
+    return _move_frozen(module, device, optimizers=optimizers, force=force, action="offload")
+
+
+def onload(
+    module: nn.Module,
+    device: str | torch.device,
+    *,
+    optimizers: Iterable[Any] = (),
+    force: bool = False,
+) -> nn.Module:
+    """Move a frozen, offloaded ``module`` back onto ``device``; returns it. See :func:`offload`."""
+    return _move_frozen(module, device, optimizers=optimizers, force=force, action="onload")
+
+
+def _move_frozen(module, device, *, optimizers, force, action) -> nn.Module:
+    """Shared checks of offload/onload, then one ``module.to`` (which models may customise)."""
+    refuse_if_released(module)
+    refuse_if_trainable(module, optimizers=optimizers, force=force, action=action)
+    _remove_accelerate_hooks_for_move(module)
+    return module.to(device)
+
+
+@contextlib.contextmanager
+def on_device(
+    module: nn.Module,
+    device: str | torch.device,
+    *,
+    optimizers: Iterable[Any] = (),
+    force: bool = False,
+) -> Iterator[nn.Module]:
+    """Put ``module`` on ``device`` for the ``with`` block, then every tensor back where it was.
+
+    >>> with on_device(guide, "cuda"):
+    ...     guide_embeddings = guide.encode(texts, convert_to_tensor=True)
+
+    The original tensors are kept and swapped back in afterwards instead of being copied back: a
+    frozen module's weights do not change on the device, so leaving costs no transfer and the
+    module ends up with exactly the storages it had (also on several devices, as after a device
+    map). With ``force=True`` (a trainable module) the values are copied back into them instead,
+    so updates made on the device are kept.
+    """
+    refuse_if_released(module)
+    refuse_if_trainable(module, optimizers=optimizers, force=force, action="move")
+    _remove_accelerate_hooks_for_move(module)
+    moved = _move_tensors_keeping_originals(module, torch.device(device))
+    try:
+        yield module
+    finally:
+        _put_back_originals(moved, copy_back=force)
+
+
+@dataclass
+class _MovedTensor:
+    """One parameter or buffer moved by :func:`on_device`, with what to put back.
+
+    ``original`` is the tensor's former ``.data`` when only the data was swapped (the parameter
+    object stayed), else the former tensor object itself, which was replaced in its registry.
+    """
+
+    owner: nn.Module
+    name: str
+    original: torch.Tensor
+    is_parameter: bool
+    object_replaced: bool
+
+
+def _move_tensors_keeping_originals(module: nn.Module, device: torch.device) -> list[_MovedTensor]:
+    """Move every parameter and buffer to ``device``; return the originals to restore later.
+
+    A parameter keeps its identity where torch allows it (only ``.data`` changes, as with
+    ``nn.Module.to`` between CPU and CUDA), so optimizers and holders still see it; on devices
+    whose tensors cannot back an existing parameter (``meta``) a new parameter stands in for the
+    block. A tensor shared by two submodules is moved once and stays shared.
+    """
+    moved: list[_MovedTensor] = []
+    stand_in_of: dict[int, torch.Tensor] = {}
+    for owner in module.modules():
+        for registry, is_parameter in ((owner._parameters, True), (owner._buffers, False)):
+            for name, tensor in list(registry.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in stand_in_of:
+                    stand_in_of[id(tensor)] = _move_one(tensor, device, is_parameter, owner, name, moved)
+                elif stand_in_of[id(tensor)] is not tensor:
+                    registry[name] = stand_in_of[id(tensor)]
+                    moved.append(_MovedTensor(owner, name, tensor, is_parameter, object_replaced=True))
+    return moved
+
+
+def _move_one(tensor, device, is_parameter, owner, name, moved) -> torch.Tensor:
+    """Move one tensor; record how to undo it in ``moved``; return what now stands in its place."""
+    data = tensor.data
+    copy = data.to(device)
+    if copy is data:
+        return tensor
+    if is_parameter and torch._has_compatible_shallow_copy_type(tensor, copy):
+        _swap_parameter_data(tensor, copy, device)
+        moved.append(_MovedTensor(owner, name, data, is_parameter, object_replaced=False))
+        return tensor
+    stand_in = nn.Parameter(copy, requires_grad=tensor.requires_grad) if is_parameter else copy
+    (owner._parameters if is_parameter else owner._buffers)[name] = stand_in
+    moved.append(_MovedTensor(owner, name, tensor, is_parameter, object_replaced=True))
+    return stand_in
+
+
+@torch.no_grad()
+def _put_back_originals(moved: list[_MovedTensor], *, copy_back: bool) -> None:
+    """Undo :func:`_move_tensors_keeping_originals`, copying values back first when asked."""
+    for entry in reversed(moved):
+        registry = entry.owner._parameters if entry.is_parameter else entry.owner._buffers
+        current = registry[entry.name]
+        copy_values = copy_back and current is not None and current.shape == entry.original.shape
+        if entry.object_replaced:
+            if copy_values:
+                entry.original.data.copy_(current.data)
+            registry[entry.name] = entry.original
+        else:
+            if copy_values:
+                entry.original.copy_(current.data)
+            _swap_parameter_data(current, entry.original, entry.original.device)
+
+
+def _swap_parameter_data(param: torch.Tensor, data: torch.Tensor, device: torch.device) -> None:
+    """Point ``param`` at ``data``; a gradient follows it, since it must live on the same device."""
+    grad = param.grad
+    if grad is not None:
+        param.grad = None
+    param.data = data
+    if grad is not None:
+        param.grad = grad.to(device)

@@ -1,0 +1,246 @@
+"""Releasing a module for good: :func:`release` and everything it clears.
+
+Parameters and buffers become ``meta`` tensors, and every reference that would keep the old ones
+alive is dropped: gradients, accelerate hooks, forward/backward hooks, attributes of the objects
+passed as ``holders``, optimizer entries. Then freed memory is handed back and the leftover check
+runs. "Moving it to CPU and emptying the cache" looks like a release and frees nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from st_ext.offload.accelerate_hooks import _remove_accelerate_hooks
+from st_ext.offload.guards import _install_release_guard, refuse_if_released, refuse_if_trainable
+from st_ext.offload.inventory import _named_tensors, _reload_hint, _tensor_kind, describe_module
+from st_ext.offload.leftover_check import leftovers
+from st_ext.offload.process_memory import _malloc_trim_function, _return_freed_memory, read_memory
+from st_ext.offload.reports import ReleaseRecord, ReleaseReport, _TrackedTensor
+
+logger = logging.getLogger(__name__)
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+# Flags keyed by hook id, kept beside the hooks themselves.
+_HOOK_FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
+def release(
+    module: nn.Module,
+    *,
+    holders: Iterable[Any] = (),
+    optimizers: Iterable[Any] = (),
+    force: bool = False,
+    check: bool = True,
+) -> ReleaseReport:
+    """Free ``module`` for good and return what was done, with a leftover check.
+
+    In order: record weak references to every tensor; clear references on ``holders`` (each
+    object's attributes, or a mapping's values, that are the module, a submodule, one of its
+    tensors or a bound method of one of them are set to None); drop its parameters from
+    ``optimizers`` (with their state); remove accelerate and forward/backward/state-dict hooks
+    from every submodule; drop ``.grad``; replace parameters, buffers and tensor attributes by
+    ``meta`` tensors of the same shape; install a guard that makes any call raise
+    :class:`ReleasedModuleError`; then ``gc.collect()``, ``torch.cuda.empty_cache()`` and
+    ``malloc_trim(0)``.
+
+    The module object itself stays valid (near-empty) so that code still holding it gets a clear
+    error rather than an AttributeError.
+    """
+    refuse_if_released(module)
+    refuse_if_trainable(module, optimizers=optimizers, force=force, action="release")
+    record = _record_before_release(module)
+    cleared = _clear_holder_references(holders, module)
+    cleared += _drop_from_optimizers(optimizers, module)
+    accelerate_hooks_removed = _remove_accelerate_hooks(module)
+    module_hooks_removed = _clear_module_hooks(module)
+    _replace_tensors_with_meta(module)
+    _install_release_guard(module, record)
+    if check:
+        check_report = leftovers(record)  # frees first: gc, empty_cache, malloc_trim
+    else:
+        check_report = None
+        _return_freed_memory()
+    report = ReleaseReport(
+        record=record,
+        cleared=cleared,
+        module_hooks_removed=module_hooks_removed,
+        accelerate_hooks_removed=accelerate_hooks_removed,
+        malloc_trimmed=_malloc_trim_function() is not None,
+        check=check_report,
+    )
+    logger.info("%s", report)
+    return report
+
+
+def _storage_weakref(tensor: torch.Tensor) -> tuple[weakref.ref | None, tuple[str, int] | None]:
+    """A weak reference to the tensor's storage and its (device, address), where torch allows it.
+
+    The storage outlives the tensor object when a view, ``.detach()`` or ``.data`` of it is alive,
+    so watching only the tensor would miss those.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr()) if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError):
+        return None, None
+    try:
+        return weakref.ref(storage), key
+    except TypeError:
+        return None, key
+
+
+def _record_before_release(module: nn.Module) -> ReleaseRecord:
+    """Weak references to every distinct tensor of ``module``, and the memory figures before."""
+    by_id: dict[int, _TrackedTensor] = {}
+    for name, tensor in _named_tensors(module):
+        if id(tensor) in by_id:
+            by_id[id(tensor)].aliases.append(name)
+            continue
+        storage_ref, storage_key = _storage_weakref(tensor)
+        by_id[id(tensor)] = _TrackedTensor(
+            name=name,
+            aliases=[],
+            kind=_tensor_kind(module, name),
+            nbytes=tensor.numel() * tensor.element_size(),
+            device=str(tensor.device),
+            tensor_ref=weakref.ref(tensor),
+            storage_ref=storage_ref,
+            storage_key=storage_key,
+        )
+    tracked = [entry for entry in by_id.values() if entry.device != "meta"]
+    devices = {entry.device for entry in tracked}
+    return ReleaseRecord(
+        description=describe_module(module),
+        reload_hint=_reload_hint(module),
+        tracked=tracked,
+        memory_before=read_memory(devices),
+        module_ref=weakref.ref(module),
+    )
+
+
+def _module_family(module: nn.Module) -> dict[int, str]:
+    """Ids of the module, its submodules and its tensors, mapped to a name for reports."""
+    family = {id(submodule): (name or "<module>") for name, submodule in module.named_modules()}
+    for name, tensor in _named_tensors(module):
+        family.setdefault(id(tensor), name)
+    return family
+
+
+def _points_into(value: Any, family: dict[int, str]) -> bool:
+    """Whether ``value`` is part of the released module, or a bound method of a part of it."""
+    return id(value) in family or id(getattr(value, "__self__", None)) in family
+
+
+def _clear_holder_references(holders: Iterable[Any], module: nn.Module) -> list[str]:
+    """Set to None every attribute (or mapping value) of ``holders`` that points into ``module``.
+
+    Only direct attributes are cleared: a list or dict inside a holder may be shared with code
+    that expects it unchanged, so pass such a mapping itself as a holder to have it cleared.
+    """
+    family = _module_family(module)
+    cleared = []
+    for holder in holders:
+        if id(holder) in family:
+            continue
+        holder_name = type(holder).__name__
+        if isinstance(holder, MutableMapping):
+            for key, value in list(holder.items()):
+                if _points_into(value, family):
+                    holder[key] = None
+                    cleared.append(f"{holder_name}[{key!r}]")
+            continue
+        if isinstance(holder, nn.Module):
+            cleared += _clear_module_holder(holder, family)
+        for name, value in list(getattr(holder, "__dict__", {}).items()):
+            if _points_into(value, family):
+                holder.__dict__[name] = None
+                cleared.append(f"{holder_name}.{name}")
+    return cleared
+
+
+def _clear_module_holder(holder: nn.Module, family: dict[int, str]) -> list[str]:
+    """Clear submodule, parameter and buffer entries of an ``nn.Module`` holder (e.g. a loss)."""
+    cleared = []
+    for registry in ("_modules", "_parameters", "_buffers"):
+        entries = getattr(holder, registry)
+        for name, value in list(entries.items()):
+            if value is not None and _points_into(value, family):
+                entries[name] = None
+                cleared.append(f"{type(holder).__name__}.{name}")
+    return cleared
+
+
+def _drop_from_optimizers(optimizers: Iterable[Any], module: nn.Module) -> list[str]:
+    """Remove the module's parameters, and their state, from each optimizer (only with force)."""
+    parameter_ids = {id(param) for param in module.parameters()}
+    cleared = []
+    for optimizer in optimizers:
+        dropped = 0
+        for group in getattr(optimizer, "param_groups", ()):
+            kept = [param for param in group["params"] if id(param) not in parameter_ids]
+            dropped += len(group["params"]) - len(kept)
+            group["params"] = kept
+        state = getattr(optimizer, "state", {})
+        for param in [param for param in state if id(param) in parameter_ids]:
+            del state[param]
+        if dropped:
+            cleared.append(f"{type(optimizer).__name__}: {dropped} parameters and their state")
+    return cleared
+
+
+def _clear_module_hooks(module: nn.Module) -> int:
+    """Empty every hook dictionary of every submodule; how many hooks were removed.
+
+    A hook closure is the usual hiding place of a reference to a parameter or an output.
+    """
+    removed = 0
+    for submodule in module.modules():
+        for attribute in _HOOK_DICTS + _HOOK_FLAG_DICTS:
+            hooks = getattr(submodule, attribute, None)
+            if isinstance(hooks, dict):
+                removed += len(hooks) if attribute in _HOOK_DICTS else 0
+                hooks.clear()
+    return removed
+
+
+def _replace_tensors_with_meta(module: nn.Module) -> None:
+    """Replace every parameter, buffer and tensor attribute by a new ``meta`` tensor.
+
+    New objects rather than ``param.data = meta``: the old tensor objects must die, so that the
+    weak references recorded before can prove it. Tied tensors stay tied.
+    """
+    replacements: dict[int, torch.Tensor] = {}
+
+    def meta_of(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in replacements:
+            empty = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            replacements[id(tensor)] = empty
+        return replacements[id(tensor)]
+
+    for submodule in module.modules():
+        for registry in (submodule._parameters, submodule._buffers):
+            for name, tensor in list(registry.items()):
+                if tensor is not None:
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.grad = None
+                    registry[name] = meta_of(tensor)
+        for name, value in list(vars(submodule).items()):
+            if isinstance(value, torch.Tensor):
+                submodule.__dict__[name] = meta_of(value)
