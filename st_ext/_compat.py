@@ -7,6 +7,9 @@ st_ext asks this module instead of comparing versions itself. The differences th
   ``nn.Module`` holding the Hugging Face classifier in ``.model``.
 * sentence-transformers 6.0 moved ``sentence_transformers.models`` to
   ``sentence_transformers.sentence_transformer.modules`` (the old path warns).
+* Losses: 6.x marks losses that back-propagate from a hook with ``uses_gradient_cache`` (older
+  releases are recognised by class), ``util.all_gather_with_grad`` exists only in newer releases,
+  and 6.x's non-cached losses may embed all input columns in one merged forward pass.
 * transformers 5 renamed ``gradient_checkpointing_enable/disable`` to
   ``activation_checkpointing_enable/disable`` (the old names warn) and defaults ``use_reentrant``
   to False; transformers 4 only has the old names and defaults ``use_reentrant`` to True.
@@ -16,8 +19,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from contextlib import nullcontext
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
+
+import sentence_transformers.util as st_util
+from torch import Tensor
 
 import sentence_transformers
 import transformers
@@ -102,3 +109,57 @@ def accepted_kwargs(function, kwargs: dict) -> dict:
 
 def is_hf_model(module: nn.Module) -> bool:
     return isinstance(module, transformers.PreTrainedModel)
+
+
+UPSTREAM_CACHED_LOSS_NAMES = (
+    "CachedMultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
+    "CachedGISTEmbedLoss",
+)
+
+
+def upstream_cached_loss_classes() -> tuple[type, ...]:
+    """The upstream loss classes that defer their backward pass to a hook on the returned loss."""
+    namespace = st_losses()
+    return tuple(getattr(namespace, name) for name in UPSTREAM_CACHED_LOSS_NAMES if hasattr(namespace, name))
+
+
+def is_gradient_caching(loss: Any) -> bool:
+    """Whether ``loss`` runs its own backward passes (GradCache hook, or per-mini-batch backward in forward).
+
+    Such a loss cannot be wrapped by anything that only watches its forward pass: the work that
+    produces its gradients happens outside that window.
+    """
+    if getattr(loss, "uses_gradient_cache", False):
+        return True
+    if isinstance(loss, upstream_cached_loss_classes()):
+        return True
+    return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
+
+
+def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
+    """sentence-transformers' differentiable all-gather, or None where the installed release lacks it."""
+    return getattr(st_util, "all_gather_with_grad", None)
+
+
+def get_rank() -> int:
+    """This process's rank, 0 when not running distributed."""
+    get = getattr(st_util, "get_rank", None)
+    if get is not None:
+        return get()
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def separate_column_forwards():
+    """A context in which upstream's non-cached losses embed each input column in its own forward pass.
+
+    6.x merges columns into one forward pass when they preprocess alike; the loss is the same, but
+    dropout draws differ from one forward per column, the order cached losses replay.
+    """
+    try:
+        from sentence_transformers.base.losses.merged_forward import column_merging_disabled
+    except ImportError:
+        return nullcontext()
+    return column_merging_disabled()

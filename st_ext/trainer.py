@@ -56,8 +56,37 @@ class CheckpointingTrainerMixin:
             return super().train(*args, **kwargs)
 
 
+def resolve_loss_names(loss, model):
+    """Build losses given by registered name (``"cached_mnrl"``, or a dict of names per dataset)."""
+    if isinstance(loss, str) or (isinstance(loss, dict) and any(isinstance(v, str) for v in loss.values())):
+        if model is None:
+            raise ValueError("A loss given by name needs the model at construction; pass model=..., not model_init.")
+        from st_ext.losses.registry import build_loss
+
+        if isinstance(loss, str):
+            return build_loss(loss, model)
+        return {key: build_loss(value, model) if isinstance(value, str) else value for key, value in loss.items()}
+    return loss
+
+
 class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformers.SentenceTransformerTrainer):
-    """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model."""
+    """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model,
+    ``loss`` may also be a registered loss name (see :func:`st_ext.losses.registry.known_losses`), and
+    the queue of a :class:`~st_ext.losses.cross_batch_memory.CrossBatchMemoryLoss` is saved with each
+    checkpoint and restored on resume."""
+
+    def __init__(self, model=None, args=None, train_dataset=None, eval_dataset=None, loss=None, *rest, **kwargs):
+        super().__init__(model, args, train_dataset, eval_dataset, resolve_loss_names(loss, model), *rest, **kwargs)
+        from st_ext.losses.cross_batch_memory import attach_memory_callback
+
+        attach_memory_callback(self)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
+        from st_ext.losses.cross_batch_memory import restore_memories_for_resume
+
+        restore_memories_for_resume(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
 class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.CrossEncoderTrainer):

@@ -128,3 +128,17 @@ def test_upstream_model_directory_loads_in_st_ext(tiny_bert_dir, tmp_path):
     assert model.encode(SENTENCES[:2]) == pytest.approx(upstream.encode(SENTENCES[:2]), rel=1e-4, abs=1e-5)
     model.gradient_checkpointing_enable()
     assert model.is_gradient_checkpointing
+
+
+def test_loss_by_registered_name(tiny_bert_dir, tmp_path):
+    model = sentence_transformer_from(tiny_bert_dir)
+    trainer = st_ext.SentenceTransformerTrainer(
+        model=model,
+        args=training_args(st_ext.SentenceTransformerTrainingArguments, tmp_path / "out", gradient_checkpointing=False),
+        train_dataset=pair_dataset(),
+        loss="cached_mnrl",
+    )
+    assert type(trainer.loss).__name__ == "CachedMultipleNegativesRankingLoss"
+    trainer.train()
+    with pytest.raises(ValueError, match="Unknown loss 'mnlr'"):
+        st_ext.SentenceTransformerTrainer(model=model, args=trainer.args, train_dataset=pair_dataset(), loss="mnlr")

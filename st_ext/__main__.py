@@ -1,0 +1,5 @@
+import sys
+
+from st_ext.cli import main
+
+sys.exit(main())

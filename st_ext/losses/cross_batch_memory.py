@@ -1,0 +1,592 @@
+"""Cross-batch memory (XBM, https://huggingface.co/papers/1912.06798) for sentence-transformers losses.
+
+A FIFO queue of detached embeddings from earlier training steps joins every step's loss:
+
+    (1) compute the wrapped loss over the current batch *plus* the queue, which is a constant (no
+        graph): for (Cached)MultipleNegativesRankingLoss the queued documents are extra candidates
+        in every anchor's softmax; for the triplet losses the queued rows and their labels extend the
+        references (positives and negatives) of the batch's anchors;
+    (2) enqueue this step's rows, detached and, under DDP, gathered from every rank, dropping the
+        oldest rows beyond ``memory_size``.
+
+Gradients reach the current batch only. A cached loss stays exact: the queue is a constant in its
+loss over embeddings (GradCache's step 2), so the cached gradients are the gradients of the loss
+with the queue, and the replay (step 3) never looks at the queue.
+
+What ranking losses queue, and why:
+
+* Documents (the positive and hard-negative columns), not anchors: they are what anchors are ranked
+  against, and queries and documents may be embedded differently (prompts, asymmetric models).
+* Queued *after* the loss: queued first, the batch's own positives would come back as negatives.
+* A queued copy of an anchor's own positive (the same token ids, because the text came round again
+  in a later epoch or belongs to several queries) would be a false negative with a near-perfect
+  score; with ``mask_own_positive`` it is left out of that anchor's softmax. Rows are recognised by
+  a hash of their non-padding token ids, stored in the queue in place of a label.
+* Queued embeddings come from older parameters. XBM's finding is that they drift slowly enough to be
+  useful; a queue spanning more steps than that tolerates holds staler negatives, so size it in
+  steps (``memory_size`` ≈ documents per step × a few hundred steps) and consider starting from a
+  warmed-up model.
+
+The queue is read and written only when gradients are enabled (training steps); evaluation under
+``torch.no_grad()`` computes the plain loss and leaves the queue as it was. It is saved with every
+trainer checkpoint (:class:`CrossBatchMemoryCallback`, added by st_ext's trainer) and restored by
+``trainer.train(resume_from_checkpoint=...)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from st_ext._compat import st_losses
+from st_ext._compat import is_gradient_caching
+from st_ext.losses.gradcache import Features, Ranges, Reps, batch_size_of, chunked_rows, gradcache_forward
+from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
+
+logger = logging.getLogger(__name__)
+
+MEMORY_FILENAME = "cross_batch_memory.pt"
+DEFAULT_MEMORY_SIZE = 1024
+MEMORY_STATE_FORMAT = 1
+#: Key of a queued row whose features carry no token ids (never equal to a real key, which is >= 0).
+UNKNOWN_KEY = -1
+
+XBM_CITATION = """
+@inproceedings{wang2020xbm,
+    title={Cross-Batch Memory for Embedding Learning},
+    author={Xun Wang and Haozhi Zhang and Weilin Huang and Matthew R. Scott},
+    booktitle={Proceedings of the IEEE/CVF Conference on Computer Vision and Pattern Recognition (CVPR)},
+    year={2020},
+    eprint={1912.06798},
+    archivePrefix={arXiv}
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The queue
+
+
+@dataclass(frozen=True)
+class MemoryBank:
+    """The queue: rows oldest first, never part of a graph.
+
+    ``labels`` are class labels for triplet losses and document keys (:func:`document_keys`) for
+    ranking losses. Updates build a new bank rather than writing into this one, because the graph of
+    the step that read it may still need its tensors for the backward pass.
+    """
+
+    embeddings: Tensor | None = None
+    labels: Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.embeddings is None else len(self.embeddings)
+
+
+def check_fits(bank: MemoryBank, embeddings: Tensor) -> None:
+    """The batch must have the queue's embedding size; a mismatch would otherwise surface as an
+    unexplained shape error inside a matrix product."""
+    if bank.rows and embeddings.shape[-1] != bank.embeddings.shape[-1]:
+        raise ValueError(
+            f"The cross-batch memory holds {bank.embeddings.shape[-1]}-dimensional embeddings, but this batch's "
+            f"embeddings have {embeddings.shape[-1]} dimensions. The embedding size changed mid-run (a truncating "
+            "wrapper such as MatryoshkaLoss around the memory, or a different model): keep one embedding size per "
+            "CrossBatchMemoryLoss, or call reset_memory() when switching on purpose."
+        )
+
+
+def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The queue on the batch's device and in its dtype, or (None, None) when it is empty."""
+    if not bank.rows:
+        return None, None
+    check_fits(bank, embeddings)
+    return (
+        bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype),
+        bank.labels.to(device=embeddings.device),
+    )
+
+
+def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
+    """A new bank: the old rows followed by these, keeping the newest ``memory_size``.
+
+    The new rows are stored detached, in the bank's dtype (the first batch's), on their own device.
+    """
+    embeddings, labels = embeddings.detach(), labels.detach()
+    if len(labels) != len(embeddings):
+        raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")
+    if bank.rows:
+        check_fits(bank, embeddings)
+        embeddings = embeddings.to(bank.embeddings.dtype)
+        labels = labels.to(bank.labels.dtype)
+        old_embeddings = bank.embeddings.to(embeddings.device)
+        old_labels = bank.labels.to(labels.device)
+    else:
+        old_embeddings, old_labels = embeddings[:0], labels[:0]
+    keep_new = min(len(embeddings), memory_size)
+    keep_old = min(len(old_embeddings), memory_size - keep_new)
+    return MemoryBank(
+        torch.cat([old_embeddings[len(old_embeddings) - keep_old :], embeddings[len(embeddings) - keep_new :]]),
+        torch.cat([old_labels[len(old_labels) - keep_old :], labels[len(labels) - keep_new :]]),
+    )
+
+
+def gather_from_ranks(tensor: Tensor) -> Tensor:
+    """Every rank's rows, in rank order, on every rank (detached); ``tensor`` itself when not distributed.
+
+    Ranks may hold different numbers of rows (a last, shorter batch), so sizes go first and rows
+    travel padded to the largest.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    tensor = tensor.detach().contiguous()
+    world_size = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(tensor)], dtype=torch.int64, device=tensor.device))
+    sizes = [int(size) for size in sizes]
+    padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+    padded[: len(tensor)] = tensor
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
+def document_keys(features: Features) -> Tensor:
+    """One int64 key per row: a hash of its non-padding token ids, so that the same text gets the same
+    key in any batch, whatever its padding. ``UNKNOWN_KEY`` for every row when there are no token ids."""
+    input_ids = features.get("input_ids")
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
+        any_tensor = next((v for v in features.values() if isinstance(v, Tensor)), None)
+        device = None if any_tensor is None else any_tensor.device
+        return torch.full((batch_size_of(features),), UNKNOWN_KEY, dtype=torch.int64, device=device)
+    mask = features.get("attention_mask")
+    ids = input_ids.detach().cpu().numpy().astype(np.int64)
+    keep = np.ones_like(ids, dtype=bool) if mask is None else mask.detach().cpu().numpy().astype(bool)
+    keys = [
+        int.from_bytes(hashlib.blake2b(row[row_keep].tobytes(), digest_size=8).digest(), "little") >> 1
+        for row, row_keep in zip(ids, keep)
+    ]
+    return torch.tensor(keys, dtype=torch.int64, device=input_ids.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking losses: queued documents as extra candidates
+
+
+def ranking_loss(
+    reps: Reps,
+    memory_embeddings: Tensor | None,
+    memory_keys: Tensor | None,
+    positive_keys: Tensor | None,
+    *,
+    scale: float,
+    similarity_fct,
+    chunk_size: int,
+    with_backward: bool,
+    show_progress_bar: bool = False,
+) -> Tensor:
+    """MNRL's cross-entropy with candidates = this batch's documents followed by the queue.
+
+    ``reps`` holds (anchors, positives, hard negatives...) per column, per mini-batch. Anchor rows go
+    ``chunk_size`` at a time; with ``with_backward`` each chunk back-propagates into ``reps`` at once
+    (GradCache's step 2) and the value comes back detached. A queued row whose key equals the
+    anchor's own positive's key is masked out of that anchor's softmax.
+    """
+    anchors = torch.cat(reps[0])
+    documents = torch.cat([torch.cat(column) for column in reps[1:]])
+    candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
+    mask_memory = memory_keys is not None and positive_keys is not None
+    batch_size = len(anchors)
+    targets = torch.arange(batch_size, device=anchors.device)
+    chunk_losses = []
+    for begin, end in tqdm(
+        list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
+    ):
+        scores = similarity_fct(anchors[begin:end], candidates) * scale
+        if mask_memory:
+            own_positive = torch.zeros_like(scores, dtype=torch.bool)
+            own_positive[:, len(documents) :] = positive_keys[begin:end].unsqueeze(1) == memory_keys.unsqueeze(0)
+            scores = scores.masked_fill(own_positive, -math.inf)
+        chunk_loss = F.cross_entropy(scores, targets[begin:end]) * (end - begin) / batch_size
+        if with_backward:
+            chunk_loss.backward()
+            chunk_loss = chunk_loss.detach()
+        chunk_losses.append(chunk_loss)
+    return sum(chunk_losses)
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """What :func:`gradcache_forward` reads from a cached loss, taken from the wrapped one."""
+
+    model: nn.Module
+    mini_batch_size: int
+    mini_batch_num_tokens: int | None = None
+    show_progress_bar: bool = False
+
+    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> None:
+        return None
+
+
+def check_ranking_options(loss: nn.Module) -> None:
+    """Refuse the MNRL options whose meaning a queue of documents cannot carry."""
+    directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
+    if directions != ("query_to_doc",):
+        raise ValueError(
+            f"CrossBatchMemoryLoss supports MNRL with directions=('query_to_doc',) only, got {directions}: the "
+            "memory holds documents without their queries, so the other directions have nothing to rank."
+        )
+    if getattr(loss, "hardness_mode", None) is not None and getattr(loss, "hardness_strength", 0.0) > 0:
+        raise ValueError(
+            "CrossBatchMemoryLoss does not support hardness_mode/hardness_strength on the wrapped MNRL; "
+            "leave them at their defaults."
+        )
+    if getattr(loss, "gather_across_devices", False):
+        raise ValueError(
+            "CrossBatchMemoryLoss does not support gather_across_devices=True on the wrapped MNRL: under DDP the "
+            "memory already holds every rank's documents from earlier steps. Set gather_across_devices=False."
+        )
+
+
+def ranking_step(
+    loss: nn.Module, model: nn.Module, sentence_features: list[Features], bank: MemoryBank, mask_own_positive: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss value, documents to enqueue, their keys) for MNRL or cached MNRL with the queue."""
+    if len(sentence_features) < 2:
+        raise ValueError(
+            f"{type(loss).__name__} needs (anchor, positive, negative_1, ...) columns, got {len(sentence_features)} column(s)."
+        )
+    keys = [document_keys(features) for features in sentence_features[1:]]
+    positive_keys = keys[0] if mask_own_positive else None
+    settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
+    if is_gradient_caching(loss):
+        value, documents = cached_ranking_step(loss, model, sentence_features, bank, positive_keys, settings)
+    else:
+        embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
+        memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
+        value = ranking_loss(
+            [[embedding] for embedding in embeddings],
+            memory_embeddings,
+            memory_keys,
+            positive_keys,
+            chunk_size=len(embeddings[0]),
+            with_backward=False,
+            **settings,
+        )
+        documents = torch.cat(embeddings[1:]).detach()
+    return value, documents, torch.cat(keys).to(documents.device)
+
+
+def cached_ranking_step(
+    loss: nn.Module,
+    model: nn.Module,
+    sentence_features: list[Features],
+    bank: MemoryBank,
+    positive_keys: Tensor | None,
+    settings: dict[str, Any],
+) -> tuple[Tensor, Tensor]:
+    """GradCache with the queue inside the loss over embeddings; also returns the no-grad documents.
+
+    The documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the
+    gradients were computed for.
+    """
+    run = CachedRun(
+        model,
+        loss.mini_batch_size,
+        getattr(loss, "mini_batch_num_tokens", None),
+        getattr(loss, "show_progress_bar", False),
+    )
+    documents: list[Tensor] = []
+
+    def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        memory_embeddings, memory_keys = memory_like(bank, reps[0][0])
+        documents.append(torch.cat([torch.cat(column) for column in reps[1:]]).detach())
+        return ranking_loss(
+            reps,
+            memory_embeddings,
+            memory_keys,
+            positive_keys,
+            chunk_size=run.mini_batch_size,
+            with_backward=with_backward,
+            show_progress_bar=run.show_progress_bar,
+            **settings,
+        )
+
+    value = gradcache_forward(run, sentence_features, None, loss_with_memory)
+    return value, documents[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Triplet losses: queued rows as extra references
+
+
+def triplet_step(
+    loss: nn.Module, model: nn.Module, sentence_features: list[Features], labels: Tensor | None, bank: MemoryBank
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss value, embeddings to enqueue, their labels) for a triplet loss with the queue."""
+    loss_function, distance_metric, margin = triplet_settings(loss)
+    if len(sentence_features) != 1:
+        raise ValueError(
+            f"{type(loss).__name__} takes one text column and a label column, got {len(sentence_features)} text columns."
+        )
+    embeddings = model(sentence_features[0])["sentence_embedding"]
+    labels = check_triplet_labels(labels, len(embeddings), f"CrossBatchMemoryLoss around {type(loss).__name__}")
+    memory_embeddings, memory_labels = memory_like(bank, embeddings)
+    value = triplet_loss_from_embeddings(
+        loss_function, distance_metric, margin, embeddings, labels, memory_embeddings, memory_labels
+    )
+    return value, embeddings.detach(), labels.to(embeddings.device)
+
+
+def memory_kind(loss: nn.Module) -> str:
+    """"ranking" or "triplet", or an error naming the losses a memory supports."""
+    upstream = st_losses()
+    if type(loss) in (upstream.MultipleNegativesRankingLoss, upstream.CachedMultipleNegativesRankingLoss):
+        check_ranking_options(loss)
+        return "ranking"
+    if triplet_settings(loss) is not None:
+        return "triplet"
+    raise TypeError(
+        f"CrossBatchMemoryLoss cannot wrap {type(loss).__name__}. Supported: MultipleNegativesRankingLoss, "
+        "CachedMultipleNegativesRankingLoss (queued documents become extra negatives), BatchAllTripletLoss, "
+        "BatchHardTripletLoss, BatchSemiHardTripletLoss (queued rows become extra references). Symmetric variants "
+        "are not supported: the memory holds no queries."
+    )
+
+
+def validate_memory_size(memory_size: Any) -> None:
+    """Fail at construction: a zero or fractional size would otherwise surface as an empty slice."""
+    if isinstance(memory_size, bool) or not isinstance(memory_size, numbers.Integral) or memory_size <= 0:
+        raise ValueError(
+            f"memory_size must be a positive number of rows, got {memory_size!r}; e.g. memory_size=4096 keeps the "
+            "embeddings of the last 4096 texts."
+        )
+
+
+def wrapped_model(loss: nn.Module) -> nn.Module | None:
+    """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
+    model = getattr(loss, "model", None)
+    return getattr(loss, "sentence_embedder", None) if model is None else model
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+class CrossBatchMemoryLoss(nn.Module):
+    """A loss that also sees the embeddings of the last ``memory_size`` rows from earlier steps.
+
+    Args:
+        model: the SentenceTransformer being trained (the one ``loss`` was built with).
+        loss: MultipleNegativesRankingLoss or CachedMultipleNegativesRankingLoss (queued documents
+            become extra negatives; options: the default direction, no hardness weighting, no
+            gather_across_devices), or BatchAllTripletLoss, BatchHardTripletLoss,
+            BatchSemiHardTripletLoss, st_ext's or upstream's (queued rows and labels become extra
+            positives and negatives of the batch's anchors).
+        memory_size: how many rows the queue keeps (the newest).
+        mask_own_positive: ranking losses only: leave a queued copy of an anchor's own positive
+            (same token ids) out of its softmax instead of counting it as a negative.
+
+    With an empty queue the value and gradients are the wrapped loss's. The queue is updated only on
+    training steps (gradients enabled); :meth:`memory_state` / :meth:`load_memory_state` save and
+    restore it, which st_ext's trainer does with every checkpoint.
+    """
+
+    def __init__(
+        self, model: nn.Module, loss: nn.Module, memory_size: int = DEFAULT_MEMORY_SIZE, *, mask_own_positive: bool = True
+    ):
+        super().__init__()
+        validate_memory_size(memory_size)
+        self.kind = memory_kind(loss)
+        if wrapped_model(loss) is not model:
+            raise ValueError(
+                f"The wrapped {type(loss).__name__} was built for another model; build it with the model passed "
+                "to CrossBatchMemoryLoss."
+            )
+        self.model = model
+        self.loss = loss
+        self.memory_size = int(memory_size)
+        self.mask_own_positive = mask_own_positive
+        self.uses_gradient_cache = is_gradient_caching(loss)
+        self.memory = MemoryBank()
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        training = torch.is_grad_enabled()
+        bank = self.memory if training else MemoryBank()
+        if self.kind == "ranking":
+            value, rows, row_labels = ranking_step(self.loss, self.model, sentence_features, bank, self.mask_own_positive)
+        else:
+            value, rows, row_labels = triplet_step(self.loss, self.model, sentence_features, labels, bank)
+        if training:
+            self.memory = enqueue(self.memory, gather_from_ranks(rows), gather_from_ranks(row_labels), self.memory_size)
+        return value
+
+    @property
+    def memory_embeddings(self) -> Tensor | None:
+        """The queued embeddings, oldest first (no graph)."""
+        return self.memory.embeddings
+
+    @property
+    def memory_labels(self) -> Tensor | None:
+        """The queued class labels (triplet losses) or document keys (ranking losses), oldest first."""
+        return self.memory.labels
+
+    def reset_memory(self) -> None:
+        self.memory = MemoryBank()
+
+    def memory_state(self) -> dict[str, Any]:
+        """The queue as CPU tensors, for ``torch.save``; :meth:`load_memory_state` restores it as it was."""
+        bank = self.memory
+        return {
+            "format": MEMORY_STATE_FORMAT,
+            "memory_size": self.memory_size,
+            "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
+            "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
+        }
+
+    def load_memory_state(self, state: dict[str, Any]) -> None:
+        """Restore a queue saved by :meth:`memory_state` (the newest ``memory_size`` rows if it was larger).
+
+        It moves to the training device at the next step.
+        """
+        if not isinstance(state, dict) or state.get("format") != MEMORY_STATE_FORMAT:
+            raise ValueError(
+                f"Not a cross-batch memory state (format {MEMORY_STATE_FORMAT}); pass what memory_state() returned."
+            )
+        embeddings, labels = state["embeddings"], state["labels"]
+        if embeddings is None:
+            self.memory = MemoryBank()
+            return
+        if embeddings.ndim != 2 or labels is None or labels.shape != (len(embeddings),):
+            raise ValueError(
+                "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
+            )
+        self.memory = enqueue(MemoryBank(), embeddings, labels, self.memory_size)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "loss": type(self.loss).__name__,
+            "memory_size": self.memory_size,
+            "mask_own_positive": self.mask_own_positive,
+        }
+
+    @property
+    def citation(self) -> str:
+        return XBM_CITATION + getattr(self.loss, "citation", "")
+
+
+def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """A builder ``(model, memory_size=..., mask_own_positive=..., **loss_kwargs)`` of ``build_loss(model,
+    **loss_kwargs)`` wrapped in a CrossBatchMemoryLoss: the shape of a loss registry entry."""
+
+    def build(
+        model: nn.Module, memory_size: int = DEFAULT_MEMORY_SIZE, mask_own_positive: bool = True, **loss_kwargs: Any
+    ) -> CrossBatchMemoryLoss:
+        return CrossBatchMemoryLoss(
+            model, build_loss(model, **loss_kwargs), memory_size, mask_own_positive=mask_own_positive
+        )
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def memory_losses(loss: nn.Module | dict[str, nn.Module] | None) -> dict[str, CrossBatchMemoryLoss]:
+    """Every CrossBatchMemoryLoss inside a trainer's loss (one module, or a dict per dataset), by a
+    name that stays the same between runs of the same script."""
+    roots = loss.items() if isinstance(loss, dict) else [("", loss)]
+    found = {}
+    for root_name, root in roots:
+        if not isinstance(root, nn.Module):
+            continue
+        for name, module in root.named_modules():
+            if isinstance(module, CrossBatchMemoryLoss):
+                found[".".join(part for part in (root_name, name) if part) or "loss"] = module
+    return found
+
+
+def save_memories(loss: nn.Module | dict[str, nn.Module], checkpoint_dir: str | Path) -> Path | None:
+    """Write every memory in ``loss`` to ``checkpoint_dir/cross_batch_memory.pt``; None if there is none."""
+    found = memory_losses(loss)
+    if not found:
+        return None
+    path = Path(checkpoint_dir) / MEMORY_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": MEMORY_STATE_FORMAT, "losses": {name: m.memory_state() for name, m in found.items()}}, path)
+    return path
+
+
+def load_memories(loss: nn.Module | dict[str, nn.Module], checkpoint_dir: str | Path) -> list[str]:
+    """Restore the memories saved by :func:`save_memories`; returns the names restored.
+
+    A memory the checkpoint does not hold (a checkpoint from another script) starts empty, with a warning.
+    """
+    found = memory_losses(loss)
+    if not found:
+        return []
+    path = Path(checkpoint_dir) / MEMORY_FILENAME
+    if not path.is_file():
+        logger.warning(f"{path} does not exist: the cross-batch memory starts empty instead of resuming.")
+        return []
+    saved = torch.load(path, map_location="cpu", weights_only=True)["losses"]
+    for name in found.keys() - saved.keys():
+        logger.warning(f"{path} holds no memory for {name!r} (it holds {sorted(saved)}); that memory starts empty.")
+    for name in found.keys() & saved.keys():
+        found[name].load_memory_state(saved[name])
+    return sorted(found.keys() & saved.keys())
+
+
+class CrossBatchMemoryCallback(TrainerCallback):
+    """Saves the memory of every CrossBatchMemoryLoss in ``loss`` next to each trainer checkpoint.
+
+    ``on_save`` runs after the trainer wrote ``<output_dir>/checkpoint-<global_step>``; only the main
+    process writes, since every rank holds the same queue.
+    """
+
+    def __init__(self, loss: nn.Module | dict[str, nn.Module]) -> None:
+        self.loss = loss
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            save_memories(self.loss, Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        return control
+
+
+def attach_memory_callback(trainer) -> None:
+    """Add a :class:`CrossBatchMemoryCallback` to ``trainer`` if its loss holds a memory (once)."""
+    loss = getattr(trainer, "loss", None)
+    if not memory_losses(loss):
+        return
+    if any(isinstance(callback, CrossBatchMemoryCallback) for callback in trainer.callback_handler.callbacks):
+        return
+    trainer.add_callback(CrossBatchMemoryCallback(loss))
+
+
+def restore_memories_for_resume(trainer, resume_from_checkpoint: str | bool | None) -> list[str]:
+    """Before ``train(resume_from_checkpoint=...)``: load the memories saved with that checkpoint
+    (``True``: the last one in ``args.output_dir``, as the trainer itself resolves it)."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return []
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        if resume_from_checkpoint is None:
+            return []  # the trainer raises its own error about the missing checkpoint
+    return load_memories(trainer.loss, resume_from_checkpoint)

@@ -1,0 +1,577 @@
+"""Cached GIST loss whose guide can live off the accelerator, or be replaced by a precomputed table.
+
+GISTEmbed (https://huggingface.co/papers/2402.16829) drops in-batch negatives that a frozen guide
+model rates as more similar to the anchor than its own positive. With GradCache the guide is only
+needed in the no-grad pass (step 1 in :mod:`st_ext.losses.gradcache`), which gives two ways to free
+its memory during training:
+
+* ``offload_guide=True``: the guide stays on the CPU and is moved onto the training device only for
+  its no-grad pass (it is kept out of the loss's module tree, so ``loss.to(device)`` leaves it there).
+* :class:`GuideEmbeddings`: embed every text once before training, then train with ``guide=None``.
+  The table is keyed by the token ids the model's tokenizer gives each text, because the loss sees
+  token ids, not texts, and the live guide's embedding of a row is a function of those ids alone
+  (it embeds them, or decodes and re-tokenizes them). So the table needs no change to the dataset
+  or to the stock data collator, and returns what the live guide would have computed. A dataset
+  filled by :func:`st_ext.offload.precompute_embeddings` converts with ``from_precomputed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from st_ext._compat import preprocess, st_modules
+from st_ext import offload
+from st_ext._compat import all_gather_with_grad, get_rank
+from st_ext.losses.gradcache import (
+    Features,
+    Ranges,
+    Reps,
+    chunked_rows,
+    gradcache_forward,
+    row_token_keys,
+    slice_minibatch,
+    validate_mini_batching,
+)
+
+GIST_CITATION = """
+@misc{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Aivin V. Solatorio},
+    year={2024},
+    eprint={2402.16829},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+
+@misc{gao2021scaling,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The guide's no-grad pass
+
+
+def guide_retokenizer(model: nn.Module, guide: nn.Module) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer when the guide cannot read the model's token ids, else None.
+
+    The guide reads the model's ids directly when both share a vocabulary and the guide accepts
+    sequences as long as the model's; otherwise each row is decoded and re-tokenized for the guide.
+    """
+    model_tokenizer = getattr(model, "tokenizer", None)
+    guide_tokenizer = getattr(guide, "tokenizer", None)
+    if not isinstance(model_tokenizer, PreTrainedTokenizerBase) or not isinstance(
+        guide_tokenizer, PreTrainedTokenizerBase
+    ):
+        raise ValueError("Both the training model and the guide must use a PreTrainedTokenizer from transformers.")
+    model_length, guide_length = getattr(model, "max_seq_length", None), getattr(guide, "max_seq_length", None)
+    shorter = model_length is not None and guide_length is not None and guide_length < model_length
+    if shorter or model_tokenizer.get_vocab() != guide_tokenizer.get_vocab():
+        return model_tokenizer
+    return None
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def features_device(features: Features) -> torch.device:
+    return next(value.device for value in features.values() if isinstance(value, Tensor))
+
+
+def embed_with_guide(
+    guide: nn.Module, features: Features, retokenize_with: PreTrainedTokenizerBase | None, device: torch.device
+) -> Tensor:
+    """The guide's embeddings of one mini-batch of the model's features, returned on ``device``.
+
+    The guide gets its own copy of the features: modules write their outputs into the dict they are
+    given, and the model's forward pass may reuse it.
+    """
+    guide_device = module_device(guide)
+    if retokenize_with is not None:
+        texts = retokenize_with.batch_decode(features["input_ids"], skip_special_tokens=True)
+        features = preprocess(guide, texts)
+    features = {key: value.to(guide_device) if isinstance(value, Tensor) else value for key, value in features.items()}
+    with torch.no_grad():
+        return guide(features)["sentence_embedding"].to(device)
+
+
+def guide_placement(guide: nn.Module, device: torch.device, offloaded: bool):
+    """Where the guide runs: on ``device`` just for this pass when offloaded, else where it lives."""
+    if not offloaded:
+        return nullcontext()
+    return offload.on_device(guide, device)
+
+
+def guide_pass(
+    guide: nn.Module,
+    sentence_features: Sequence[Features],
+    ranges: Sequence[Ranges],
+    retokenize_with: PreTrainedTokenizerBase | None,
+    *,
+    offloaded: bool = False,
+    show_progress_bar: bool = False,
+) -> Reps:
+    """The guide's embeddings of every column, mini-batch by mini-batch, in one visit to the device."""
+    device = features_device(sentence_features[0])
+    with guide_placement(guide, device, offloaded):
+        return [
+            [
+                embed_with_guide(guide, slice_minibatch(features, begin, end), retokenize_with, device)
+                for begin, end in tqdm(column_ranges, desc="Guide mini-batches", disable=not show_progress_bar)
+            ]
+            for features, column_ranges in zip(sentence_features, ranges)
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Precomputed guide embeddings
+
+
+def select_rows(features: Features, rows: list[int]) -> Features:
+    """The given rows of a column's features, trimmed of padding they all share."""
+    index = torch.tensor(rows, dtype=torch.long)
+    picked = {
+        key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim >= 1 else value
+        for key, value in features.items()
+    }
+    return slice_minibatch(picked, 0, len(rows))
+
+
+class GuideEmbeddings:
+    """Guide embeddings computed once before training, looked up by each row's token ids.
+
+    Build it with :meth:`from_dataset` (or :meth:`from_texts`) from the same model and guide the loss
+    would use, then pass it as ``CachedGISTEmbedLoss(model, guide=None, guide_embeddings=table)``
+    and drop the guide. The trainer's collator must tokenize the texts as ``model`` does here: the
+    same ``max_seq_length``, and prompts already in the texts if the trainer adds any. A row that is
+    not in the table raises ``KeyError`` (or falls back to the live guide when the loss has one)::
+
+        table = GuideEmbeddings.from_dataset(model, guide, [train_dataset, eval_dataset], device="cuda")
+        st_ext.offload.release(guide)  # no guide in memory during training
+        loss = CachedGISTEmbedLoss(model, guide_embeddings=table, mini_batch_size=64)
+    """
+
+    def __init__(self, keys: dict[bytes, int], embeddings: Tensor) -> None:
+        if len(keys) != len(embeddings):
+            raise ValueError(f"{len(keys)} keys for {len(embeddings)} embeddings.")
+        self.keys = keys
+        self.embeddings = embeddings
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        return f"GuideEmbeddings({len(self)} rows, dim={self.embeddings.shape[-1]})"
+
+    @classmethod
+    def from_texts(
+        cls,
+        model: nn.Module,
+        guide: nn.Module,
+        texts: Iterable[str],
+        *,
+        batch_size: int = 32,
+        device: str | torch.device | None = None,
+        show_progress_bar: bool = True,
+    ) -> GuideEmbeddings:
+        """Embed every distinct text with ``guide`` exactly as the live loss would embed its row.
+
+        ``device``: where the guide runs for this pass (frozen, moved there and back); default: where it is.
+        """
+        retokenize_with = guide_retokenizer(model, guide)
+        texts = list(dict.fromkeys(texts))
+        keys: dict[bytes, int] = {}
+        chunks: list[Tensor] = []
+        if device is not None:
+            guide.requires_grad_(False)
+        placement = nullcontext() if device is None else guide_placement(guide, torch.device(device), offloaded=True)
+        with placement:
+            for begin in tqdm(
+                range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
+            ):
+                features = preprocess(model, texts[begin : begin + batch_size])
+                new_rows = []
+                for row, key in enumerate(row_token_keys(features)):
+                    if key not in keys:
+                        keys[key] = len(keys)
+                        new_rows.append(row)
+                if new_rows:
+                    selected = select_rows(features, new_rows)
+                    chunks.append(embed_with_guide(guide, selected, retokenize_with, torch.device("cpu")))
+        embeddings = torch.cat(chunks) if chunks else torch.empty(0, 0)
+        return cls(keys, embeddings)
+
+    @classmethod
+    def from_dataset(
+        cls,
+        model: nn.Module,
+        guide: nn.Module,
+        datasets: Any,
+        columns: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> GuideEmbeddings:
+        """Embed the text columns of one or more datasets (a ``Dataset``, ``DatasetDict`` or list).
+
+        ``columns`` defaults to every string column; label columns are never embedded.
+        """
+        if hasattr(datasets, "column_names") and not isinstance(datasets.column_names, dict):
+            datasets = [datasets]
+        elif hasattr(datasets, "values"):
+            datasets = list(datasets.values())
+        texts: list[str] = []
+        for dataset in datasets:
+            for column in columns or text_columns(dataset):
+                texts.extend(dataset[column])
+        return cls.from_texts(model, guide, texts, **kwargs)
+
+    @classmethod
+    def from_precomputed(
+        cls,
+        model: nn.Module,
+        dataset: Any,
+        columns: Sequence[str] | None = None,
+        *,
+        template: str = offload.GUIDE_EMBEDDING_COLUMN_TEMPLATE,
+        batch_size: int = 256,
+    ) -> GuideEmbeddings:
+        """A table from a dataset that :func:`st_ext.offload.precompute_embeddings` filled.
+
+        ``columns``: the text columns whose ``template`` embedding columns to use (default: every
+        text column that has one). Train on the dataset without the embedding columns: the data
+        collator would try to tokenize them. ``precompute_embeddings`` embeds the texts with
+        ``guide.encode``, which equals the live guide when the guide reads the texts' token ids
+        unchanged (same tokenizer, no truncation); :meth:`from_dataset` matches it in every case.
+        """
+        if columns is None:
+            present = set(dataset.column_names)
+            columns = [c for c in text_columns(dataset) if offload.embedding_column_name(c, template) in present]
+        if not columns:
+            raise ValueError(f"No text column of {dataset.column_names} has a precomputed {template!r} column.")
+        keys: dict[bytes, int] = {}
+        rows: list[Tensor] = []
+        for column in columns:
+            texts = dataset[column]
+            precomputed = dataset[offload.embedding_column_name(column, template)]
+            embeddings = torch.as_tensor(np.asarray(precomputed, dtype=np.float32))
+            for begin in range(0, len(texts), batch_size):
+                features = preprocess(model, texts[begin : begin + batch_size])
+                for offset, key in enumerate(row_token_keys(features)):
+                    if key not in keys:
+                        keys[key] = len(keys)
+                        rows.append(embeddings[begin + offset])
+        return cls(keys, torch.stack(rows))
+
+    def lookup(self, features: Features) -> Tensor | None:
+        """The guide embeddings of a column's rows, on the features' device; None if any row is missing."""
+        rows = [self.keys.get(key) for key in row_token_keys(features)]
+        if any(row is None for row in rows):
+            return None
+        return self.embeddings[torch.tensor(rows, dtype=torch.long)].to(features_device(features))
+
+    def missing(self, features: Features) -> int:
+        return sum(key not in self.keys for key in row_token_keys(features))
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"keys": list(self.keys), "embeddings": self.embeddings}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> GuideEmbeddings:
+        state = torch.load(path, weights_only=True)
+        return cls({key: row for row, key in enumerate(state["keys"])}, state["embeddings"])
+
+
+LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
+
+
+def text_columns(dataset: Any) -> list[str]:
+    """The columns the data collator tokenizes: string-valued ones that are not labels."""
+    features = dataset.features
+    return [
+        name
+        for name in dataset.column_names
+        if name not in LABEL_COLUMNS and getattr(features[name], "dtype", None) in ("string", "large_string")
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss over embeddings
+
+
+def _normalized_leaves(tensors: list[Tensor], with_backward: bool) -> tuple[list[Tensor], list[Tensor]]:
+    """Unit vectors, and leaves detached from them when back-propagating chunk by chunk.
+
+    Every chunk's backward ends at the leaves; one final backward takes their summed gradient
+    through the normalisation (and any all-gather), which a per-chunk backward would free early.
+    """
+    normalized = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in tensors]
+    if not with_backward:
+        return normalized, normalized
+    return normalized, [tensor.detach().requires_grad_() for tensor in normalized]
+
+
+def _suppress(scores: Tensor, guide_scores: Tensor, limit: Tensor, keep: Tensor | None = None) -> Tensor:
+    """``scores`` with -inf where the guide rates a candidate above the row's limit (a false negative)."""
+    false_negatives = guide_scores > limit
+    if keep is not None:
+        false_negatives &= ~keep
+    return scores.masked_fill(false_negatives, -math.inf)
+
+
+def gist_loss(
+    reps: Reps,
+    guide_reps: Reps,
+    *,
+    temperature: float,
+    margin_strategy: str,
+    margin: float,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    chunk_size: int,
+    with_backward: bool,
+    gather_across_devices: bool = False,
+    show_progress_bar: bool = False,
+) -> Tensor:
+    """GISTEmbed's cross-entropy over (anchor, positive, negative_1..n) embeddings, ``chunk_size`` rows at a time.
+
+    Scores are cosine similarities computed as products of unit vectors, so a chunk costs
+    ``chunk_size x batch`` memory per block (a broadcast cosine would cost ``x dim`` more). The guide's
+    scores are never truncated: Matryoshka only transforms ``reps``.
+    """
+    if len(reps) < 2 or len(reps) != len(guide_reps):
+        raise ValueError(
+            f"GIST needs (anchor, positive, negative_1..n) columns with a guide embedding each; got {len(reps)} "
+            f"columns and {len(guide_reps)} guide columns."
+        )
+    model_side = [torch.cat(column) for column in reps]
+    guide_side = [torch.cat(column).to(model_side[0].device) for column in guide_reps]
+    batch_size = len(model_side[0])
+    offset = 0
+    if gather_across_devices:
+        gather = all_gather_with_grad()
+        model_side = model_side[:1] + [gather(candidate) for candidate in model_side[1:]]
+        guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
+        offset = get_rank() * batch_size
+    graph_ends, (anchors, *candidates) = _normalized_leaves(model_side, with_backward)
+    guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
+    positives, guide_positives = candidates[0], guide_candidates[0]
+
+    total = torch.zeros((), device=anchors.device)
+    for begin, end in tqdm(
+        list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
+    ):
+        rows = torch.arange(end - begin, device=anchors.device)
+        targets = offset + begin + rows
+        guide_ap = guide_anchors[begin:end] @ guide_positives.T
+        threshold = guide_ap[rows, targets].unsqueeze(1)
+        limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
+        own_positive = torch.zeros_like(guide_ap, dtype=torch.bool)
+        own_positive[rows, targets] = True
+
+        blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit, keep=own_positive)]
+        if contrast_anchors:
+            guide_aa = guide_anchors[begin:end] @ guide_anchors.T
+            blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
+        if contrast_positives:
+            own = slice(offset + begin, offset + end)
+            guide_pp = guide_positives[own] @ guide_positives.T
+            blocks.append(_suppress(positives[own] @ positives.T, guide_pp, limit))
+        for negatives, guide_negatives in zip(candidates[1:], guide_candidates[1:]):
+            guide_an = guide_anchors[begin:end] @ guide_negatives.T
+            blocks.append(_suppress(anchors[begin:end] @ negatives.T, guide_an, limit))
+
+        scores = torch.cat(blocks, dim=1) / temperature
+        chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
+        if with_backward:
+            chunk_loss.backward()
+            chunk_loss = chunk_loss.detach()
+        total = total + chunk_loss
+
+    if with_backward:
+        leaves = [anchors, *candidates]
+        pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
+        torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+class CachedGISTEmbedLoss(nn.Module):
+    """GISTEmbed with GradCache: batch-sized guided in-batch negatives in mini-batch memory.
+
+    Same arguments as upstream's ``CachedGISTEmbedLoss`` (every one of 6.x's, on every supported
+    version; the ones after ``mini_batch_size`` are keyword-only because their order differs
+    between releases), plus:
+
+    Args:
+        guide_embeddings: a :class:`GuideEmbeddings` table computed before training. With
+            ``guide=None`` no guide is held during training; with a guide too, batches that are
+            not fully in the table (e.g. evaluation) use the live guide.
+        offload_guide: keep the guide on the CPU and move it onto the training device only for its
+            no-grad pass in each step.
+
+    The relative margin is ``positive - |positive| * margin`` (6.x's rule; 4.x used
+    ``positive * (1 - margin)``, which inverts for negative similarities).
+    """
+
+    uses_gradient_cache = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        guide: nn.Module | None = None,
+        temperature: float = 0.01,
+        mini_batch_size: int = 32,
+        *,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        margin_strategy: Literal["absolute", "relative"] = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+        guide_embeddings: GuideEmbeddings | None = None,
+        offload_guide: bool = False,
+    ) -> None:
+        super().__init__()
+        _validate_gist_arguments(
+            model, guide, temperature, margin_strategy, guide_embeddings, offload_guide, gather_across_devices
+        )
+        validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
+        self.model = model
+        if offload_guide:
+            # Frozen (it only runs without grad; moving a trainable module is refused), and kept outside
+            # the module tree, so the trainer's `loss.to(device)` leaves it on the CPU.
+            guide.requires_grad_(False)
+            object.__setattr__(self, "guide", guide)
+        else:
+            self.guide = guide
+        self.retokenize_with = None if guide is None else guide_retokenizer(model, guide)
+        self.guide_embeddings = guide_embeddings
+        self.offload_guide = offload_guide
+        self.temperature = temperature
+        self.mini_batch_size = mini_batch_size
+        self.mini_batch_num_tokens = mini_batch_num_tokens
+        self.show_progress_bar = show_progress_bar
+        self.margin_strategy = margin_strategy
+        self.margin = margin
+        self.contrast_anchors = contrast_anchors
+        self.contrast_positives = contrast_positives
+        self.gather_across_devices = gather_across_devices
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        return gradcache_forward(self, sentence_features, labels)
+
+    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
+        """The guide's embeddings: from the table when it holds every row, else from the live guide."""
+        if self.guide_embeddings is not None:
+            looked_up = [self.guide_embeddings.lookup(features) for features in sentence_features]
+            if all(embeddings is not None for embeddings in looked_up):
+                return [[embeddings] for embeddings in looked_up]
+            if self.guide is None:
+                missing = sum(self.guide_embeddings.missing(features) for features in sentence_features)
+                raise KeyError(
+                    f"{missing} row(s) of this batch are not in the precomputed guide embeddings and the loss has "
+                    "no guide to fall back on. Build the table from every dataset the loss sees (training and "
+                    "evaluation) with this model's tokenizer, max_seq_length and prompts."
+                )
+        return guide_pass(
+            self.guide,
+            sentence_features,
+            ranges,
+            self.retokenize_with,
+            offloaded=self.offload_guide,
+            show_progress_bar=self.show_progress_bar,
+        )
+
+    def loss_from_embeddings(
+        self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
+    ) -> Tensor:
+        return gist_loss(
+            reps,
+            frozen,
+            temperature=self.temperature,
+            margin_strategy=self.margin_strategy,
+            margin=self.margin,
+            contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives,
+            chunk_size=self.mini_batch_size,
+            with_backward=with_backward,
+            gather_across_devices=self.gather_across_devices,
+            show_progress_bar=self.show_progress_bar,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "guide": self.guide,
+            "guide_embeddings": None if self.guide_embeddings is None else repr(self.guide_embeddings),
+            "offload_guide": self.offload_guide,
+            "temperature": self.temperature,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
+            "contrast_anchors": self.contrast_anchors,
+            "contrast_positives": self.contrast_positives,
+            "gather_across_devices": self.gather_across_devices,
+        }
+
+    @property
+    def citation(self) -> str:
+        return GIST_CITATION
+
+
+def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
+    return not {id(p) for p in first.parameters()}.isdisjoint(id(p) for p in second.parameters())
+
+
+def _validate_gist_arguments(
+    model: nn.Module,
+    guide: nn.Module | None,
+    temperature: float,
+    margin_strategy: str,
+    guide_embeddings: GuideEmbeddings | None,
+    offload_guide: bool,
+    gather_across_devices: bool,
+) -> None:
+    """Reject what would otherwise fail, or silently misbehave, at the first batch."""
+    static_embedding = getattr(st_modules(), "StaticEmbedding", None)
+    if static_embedding is not None and len(model) and isinstance(model[0], static_embedding):
+        raise ValueError(
+            "CachedGISTEmbedLoss cannot split a StaticEmbedding model's inputs into mini-batches; use GISTEmbedLoss."
+        )
+    if guide is None and guide_embeddings is None:
+        raise ValueError("CachedGISTEmbedLoss needs a guide model, or precomputed guide_embeddings with guide=None.")
+    if guide_embeddings is not None and not isinstance(guide_embeddings, GuideEmbeddings):
+        raise TypeError(f"guide_embeddings must be a GuideEmbeddings table, got {type(guide_embeddings).__name__}.")
+    if offload_guide and guide is None:
+        raise ValueError("offload_guide=True needs a guide to offload.")
+    if offload_guide and shares_parameters(model, guide):
+        raise ValueError(
+            "offload_guide=True would freeze and move the model being trained: the guide shares its parameters."
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+    if margin_strategy not in ("absolute", "relative"):
+        raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}.")
+    if gather_across_devices and all_gather_with_grad() is None:
+        raise ValueError("gather_across_devices needs sentence-transformers' all_gather_with_grad (5.x or newer).")

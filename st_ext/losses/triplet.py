@@ -1,0 +1,447 @@
+"""Batch-all, batch-hard and semi-hard triplet losses whose memory follows the distance matrix.
+
+Same constructor (``model, distance_metric, margin``), values and gradients as sentence-transformers'
+``BatchAllTripletLoss``, ``BatchHardTripletLoss`` and ``BatchSemiHardTripletLoss``, and one addition:
+reference rows from earlier steps (a cross-batch memory) can join the batch's own rows as positives
+and negatives. With B anchors and R references (R = B, or B plus the memory) nothing is larger than
+the B×R distance matrix:
+
+* batch-all: upstream 4.x builds a B×B×B cube, 6.x a (positive pairs)×B block, and enumerating the
+  triplets (PML's way) costs their number, which a memory makes enormous. Here each anchor's
+  negatives are sorted by distance once; for a pair ``(a, p)`` (listed by the project's index
+  functions, :mod:`st_ext.mining`) the negatives inside the margin are a prefix of that order,
+  counted exactly as the float comparison evaluates, and the pair's loss is a prefix sum.
+* batch-hard: row maxima and minima of masked distances, as upstream.
+* semi-hard: one sort per anchor and one search per pair (6.x's method; 4.x tiles a B²×B tensor).
+
+The first B references are the batch itself, so anchor ``i`` is reference ``i`` and is never its own
+positive. Memory references are detached: gradients reach the batch only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
+
+from st_ext._compat import st_losses
+from st_ext.mining import anchors_with_triplets, group_by_class, positive_pairs
+
+DistanceMetric = Callable[[Tensor], Tensor]
+TripletLossFunction = Callable[[Tensor, Tensor, Tensor, float], Tensor]
+
+TRIPLET_CITATION = """
+@misc{hermans2017defense,
+    title={In Defense of the Triplet Loss for Person Re-Identification},
+    author={Alexander Hermans and Lucas Beyer and Bastian Leibe},
+    year={2017},
+    eprint={1703.07737},
+    archivePrefix={arXiv},
+    primaryClass={cs.CV}
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Distances from the anchors to the references
+
+
+def euclidean_pairwise(anchors: Tensor, references: Tensor, squared: bool = False) -> Tensor:
+    """``(B, R)`` L2 distances from each anchor to each reference; ``references[:B]`` are the anchors.
+
+    ``|a|² - 2a·r + |r|²``, as upstream computes it, with the anchors' squared norms read off the
+    product's diagonal: each anchor's distance to itself is then exactly zero, which the sqrt's
+    gradient guard below relies on. Half precision is computed in float32 (6.x's rule).
+    """
+    batch_size = len(anchors)
+    with torch.autocast(device_type=anchors.device.type, enabled=False):
+        if anchors.dtype in (torch.float16, torch.bfloat16):
+            anchors, references = anchors.float(), references.float()
+        products = torch.matmul(anchors, references.t())
+    anchor_norms = torch.diagonal(products[:, :batch_size])
+    memory_norms = references[batch_size:].float().pow(2).sum(dim=1).to(products.dtype)
+    reference_norms = torch.cat([anchor_norms, memory_norms]) if len(memory_norms) else anchor_norms
+    distances = reference_norms.unsqueeze(0) - 2.0 * products + anchor_norms.unsqueeze(1)
+    distances = distances.masked_fill(distances < 0, 0.0)
+    if squared:
+        return distances
+    # sqrt has an infinite gradient at zero: shift exact zeros off it and zero their gradient.
+    zero = distances.eq(0).to(distances.dtype)
+    return (1.0 - zero) * torch.sqrt(distances + zero * 1e-16)
+
+
+def cosine_pairwise(anchors: Tensor, references: Tensor) -> Tensor:
+    """``(B, R)`` cosine distances (1 - cosine similarity) from each anchor to each reference."""
+    return 1 - cos_sim(anchors, references)
+
+
+def euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
+    """Pairwise L2 distances within a batch: upstream's ``euclidean_distance``, same values."""
+    return euclidean_pairwise(embeddings, embeddings, squared=squared)
+
+
+def cosine_distance(embeddings: Tensor) -> Tensor:
+    """Pairwise cosine distances within a batch: upstream's ``cosine_distance``, same values."""
+    return cosine_pairwise(embeddings, embeddings)
+
+
+@functools.lru_cache(maxsize=1)
+def known_pairwise_metrics() -> dict[Callable, Callable[[Tensor, Tensor], Tensor]]:
+    """Batch metrics (st_ext's and upstream's, under every name the installed release defines) that
+    have a B×R form, so a memory costs B×R rather than a full (B+M)×(B+M) matrix."""
+    upstream = st_losses().BatchHardTripletLossDistanceFunction
+    by_name = {"euclidean_distance": euclidean_pairwise, "eucledian_distance": euclidean_pairwise}
+    by_name["cosine_distance"] = cosine_pairwise
+    metrics = {euclidean_distance: euclidean_pairwise, cosine_distance: cosine_pairwise}
+    for name, pairwise in by_name.items():
+        function = getattr(upstream, name, None)
+        if function is not None:
+            metrics[function] = pairwise
+    return metrics
+
+
+def triplet_distances(
+    distance_metric: DistanceMetric, embeddings: Tensor, memory_embeddings: Tensor | None = None
+) -> Tensor:
+    """``(B, B + M)`` distances from the batch to the batch followed by the (detached) memory.
+
+    A metric without a known B×R form is called on the whole reference set and cut to the batch's
+    rows: exact, but it costs (B+M)² (a warning says so when a memory is used).
+    """
+    if memory_embeddings is None or len(memory_embeddings) == 0:
+        references = embeddings
+    else:
+        memory = memory_embeddings.detach().to(device=embeddings.device, dtype=embeddings.dtype)
+        references = torch.cat([embeddings, memory])
+    pairwise = known_pairwise_metrics().get(distance_metric)
+    if pairwise is not None:
+        return pairwise(embeddings, references)
+    if references is not embeddings:
+        warnings.warn(
+            f"distance_metric {getattr(distance_metric, '__name__', distance_metric)!r} has no batch-to-memory "
+            "form, so it is computed over batch + memory squared; use euclidean_distance or cosine_distance "
+            "from st_ext.losses.triplet for B x (B + M) cost.",
+            stacklevel=3,
+        )
+    return distance_metric(references)[: len(embeddings)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The losses over a (B, R) distance matrix
+
+
+def label_masks(distances: Tensor, labels: Tensor, ref_labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``same`` (B×R: the reference has the anchor's label) and ``positive`` (same, and not the
+    anchor itself, which is reference ``i`` for anchor ``i``)."""
+    same = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+    rows = torch.arange(len(labels), device=distances.device)
+    is_self = rows.unsqueeze(1) == torch.arange(distances.shape[1], device=distances.device).unsqueeze(0)
+    return same, same & ~is_self
+
+
+def float_margin(distances: Tensor, margin: float) -> float:
+    """The margin as the distance dtype stores it: upstream adds it to a tensor of that dtype."""
+    return float(torch.tensor(margin, dtype=distances.dtype))
+
+
+def previous_float(value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` value below ``value``: ``x <= previous`` is ``x < value`` in that dtype."""
+    return float(torch.nextafter(torch.tensor(value, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)))
+
+
+def rank_in_row(pair_row: Tensor, num_rows: int) -> tuple[Tensor, int]:
+    """Each pair's position among its row's pairs (pairs sorted by row), and the most pairs in a row:
+    per-row queries laid out as a padded (rows, width) matrix for one batched ``searchsorted``."""
+    pairs_per_row = torch.bincount(pair_row, minlength=num_rows)
+    first_of_row = torch.cumsum(pairs_per_row, 0) - pairs_per_row
+    rank = torch.arange(len(pair_row), device=pair_row.device) - first_of_row[pair_row]
+    return rank, int(pairs_per_row.max()) if num_rows else 0
+
+
+def count_within(sorted_rows: Tensor, pair_row: Tensor, row_length: Tensor, value: Tensor, bound: float) -> Tensor:
+    """Per pair: how many of its row's first ``row_length`` ascending entries ``x`` satisfy
+    ``x - value <= bound``, exactly as that float expression evaluates.
+
+    ``x - value`` never falls as ``x`` grows, so they are a prefix. ``searchsorted`` on
+    ``value + bound`` finds its end up to the rounding of that sum; a guess is right iff the entry
+    before it passes and the one at it fails, and the rare wrong ones are bisected.
+    """
+    width = sorted_rows.shape[1]
+    rank, pairs_width = rank_in_row(pair_row, len(sorted_rows))
+    queries = sorted_rows.new_full((len(sorted_rows), max(pairs_width, 1)), math.inf)
+    queries[pair_row, rank] = value + bound
+    count = torch.minimum(torch.searchsorted(sorted_rows, queries, right=True)[pair_row, rank], row_length)
+
+    def passes(position: Tensor, rows: Tensor, values: Tensor) -> Tensor:
+        return sorted_rows[rows, position.clamp(0, width - 1)] - values <= bound
+
+    right = ((count == 0) | passes(count - 1, pair_row, value)) & (
+        (count == row_length) | ~passes(count, pair_row, value)
+    )
+    wrong = torch.nonzero(~right).squeeze(1)
+    if len(wrong):
+        low, high = torch.zeros_like(wrong), row_length[wrong].clone()
+        for _ in range(math.ceil(math.log2(width + 1))):
+            middle = (low + high) // 2
+            ok = passes(middle, pair_row[wrong], value[wrong])
+            active = low < high
+            low = torch.where(active & ok, middle + 1, low)
+            high = torch.where(active & ~ok, middle, high)
+        count[wrong] = low
+    return count
+
+
+class MarginPrefixes(NamedTuple):
+    """Per (anchor, positive) pair, how many of the anchor's distance-sorted negatives have a loss
+    term ``d(a, p) - d(a, n) + margin`` that is >= 0 (and so carries gradient) and > 0 (and so counts)."""
+
+    anchors: Tensor
+    pair_row: Tensor
+    pair_positive: Tensor
+    sorted_negatives: Tensor
+    with_gradient: Tensor
+    violating: Tensor
+    num_negatives: Tensor
+
+
+def margin_prefixes(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> MarginPrefixes | None:
+    """Sort each anchor's negatives once and count each pair's prefix inside the margin.
+
+    ``d(a, p) - d(a, n) + margin >= 0`` evaluates as ``d(a, n) - d(a, p) <= margin`` (float
+    subtraction is antisymmetric, and a difference is zero only between equal values); ``> 0`` is
+    the same test against the next float below the margin. None when no anchor has both a positive
+    and a negative.
+    """
+    groups = group_by_class(labels, ref_labels)
+    anchors, num_negatives = anchors_with_triplets(groups, self_reference=True)
+    if len(anchors) == 0:
+        return None
+    same_class = groups.anchor_class[anchors].unsqueeze(1) == groups.ref_class.unsqueeze(0)
+    sorted_negatives = distances[anchors].masked_fill(same_class, math.inf).sort(dim=1).values
+    pair_row, pair_positive = positive_pairs(groups, anchors, exclude_self=True)
+    sorted_rows = sorted_negatives.detach()
+    positive_distance = distances.detach()[anchors[pair_row], pair_positive]
+    row_length = num_negatives[pair_row]
+    margin = float_margin(distances, margin)
+    return MarginPrefixes(
+        anchors,
+        pair_row,
+        pair_positive,
+        sorted_negatives,
+        with_gradient=count_within(sorted_rows, pair_row, row_length, positive_distance, margin),
+        violating=count_within(
+            sorted_rows, pair_row, row_length, positive_distance, previous_float(margin, distances.dtype)
+        ),
+        num_negatives=row_length,
+    )
+
+
+def batch_all_triplet_loss(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> Tensor:
+    """Mean of ``relu(d(a, p) - d(a, n) + margin)`` over the triplets where it is positive.
+
+    A pair's terms over its ``k`` nearest negatives sum to ``k·(d(a, p) + margin) - Σ d(a, n)``, a
+    prefix sum of the sorted row (in float64, so the subtraction loses nothing), so no per-triplet
+    tensor exists.
+    """
+    prefixes = margin_prefixes(distances, labels, ref_labels, margin)
+    if prefixes is None:
+        return distances.sum() * 0.0
+    sorted_negatives = prefixes.sorted_negatives.double()
+    running = torch.cat([sorted_negatives.new_zeros(len(sorted_negatives), 1), sorted_negatives.cumsum(dim=1)], dim=1)
+    taken = prefixes.with_gradient
+    nearest_sum = running[prefixes.pair_row, taken]
+    positive_distance = distances[prefixes.anchors[prefixes.pair_row], prefixes.pair_positive].double()
+    total = (taken * (positive_distance + float_margin(distances, margin)) - nearest_sum).sum()
+    num_positive_triplets = int(prefixes.violating.sum())
+    return (total / (num_positive_triplets + 1e-16)).to(distances.dtype)
+
+
+def batch_all_triplet_counts(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> tuple[int, int]:
+    """(valid triplets, triplets with a positive loss): what batch-all averages over, for reports."""
+    prefixes = margin_prefixes(distances, labels, ref_labels, margin)
+    if prefixes is None:
+        return 0, 0
+    return int(prefixes.num_negatives.sum()), int(prefixes.violating.sum())
+
+
+def batch_hard_triplet_loss(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> Tensor:
+    """Mean over anchors of ``relu(hardest positive - hardest negative + margin)``.
+
+    An anchor without positives has a hardest positive of 0, and one without negatives a hardest
+    negative of ``row max + row min``: upstream's masking arithmetic, kept for equal values.
+    """
+    same, positive = label_masks(distances, labels, ref_labels)
+    hardest_positive = (positive.to(distances.dtype) * distances).max(dim=1, keepdim=True).values
+    row_max = distances.max(dim=1, keepdim=True).values
+    hardest_negative = (distances + row_max * same.to(distances.dtype)).min(dim=1, keepdim=True).values
+    per_anchor = hardest_positive - hardest_negative + margin
+    return per_anchor.masked_fill(per_anchor < 0, 0.0).mean()
+
+
+def masked_row_maximum(values: Tensor, mask: Tensor) -> Tensor:
+    """Each row's maximum over ``mask`` (the row minimum where the mask is empty), upstream's way."""
+    row_min = values.min(dim=1, keepdim=True).values
+    return ((values - row_min) * mask).max(dim=1, keepdim=True).values + row_min
+
+
+def batch_semi_hard_triplet_loss(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> Tensor:
+    """FaceNet's semi-hard loss: per positive pair, the nearest negative farther than the positive
+    (else the anchor's farthest negative); mean of ``relu(d(a, p) - d(a, n) + margin)`` over pairs."""
+    same, positive = label_masks(distances, labels, ref_labels)
+    sorted_negatives = distances.masked_fill(same, math.inf).sort(dim=1, stable=True).values
+    first_farther = torch.searchsorted(
+        sorted_negatives.detach().contiguous(), distances.detach().contiguous(), right=True
+    )
+    farther = sorted_negatives.gather(1, first_farther.clamp(max=distances.shape[1] - 1))
+    farthest = masked_row_maximum(distances, ~same)
+    semi_hard_negative = torch.where(torch.isfinite(farther), farther, farthest)
+    pair_loss = (distances - semi_hard_negative + margin) * positive.to(distances.dtype)
+    num_positive_pairs = positive.sum().to(distances.dtype)
+    return torch.maximum(pair_loss, pair_loss.new_zeros(())).sum() / num_positive_pairs.clamp(min=1e-16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels and the whole computation from embeddings
+
+
+def check_triplet_labels(labels: Tensor | None, batch_size: int, loss_name: str) -> Tensor:
+    """One class label per text, as a 1-D tensor, or an error that says how to provide them."""
+    if labels is None:
+        raise ValueError(
+            f"{loss_name} needs a class label for every text, but the batch has no labels: give the dataset "
+            "one text column and a 'label' column of class ids (at least two texts per class)."
+        )
+    if not isinstance(labels, Tensor):
+        labels = torch.as_tensor(labels)
+    if labels.numel() != batch_size:
+        raise ValueError(
+            f"{loss_name} expects {batch_size} labels (one per text), got {labels.numel()} with shape "
+            f"{tuple(labels.shape)}."
+        )
+    return labels.reshape(-1)
+
+
+def triplet_loss_from_embeddings(
+    loss_function: TripletLossFunction,
+    distance_metric: DistanceMetric,
+    margin: float,
+    embeddings: Tensor,
+    labels: Tensor,
+    memory_embeddings: Tensor | None = None,
+    memory_labels: Tensor | None = None,
+) -> Tensor:
+    """``loss_function`` with the batch as anchors and the batch followed by the memory as references."""
+    ref_labels = labels
+    if memory_embeddings is not None and len(memory_embeddings):
+        if memory_labels is None or len(memory_labels) != len(memory_embeddings):
+            raise ValueError("memory_embeddings need memory_labels, one per row.")
+        ref_labels = torch.cat([labels, memory_labels.to(device=labels.device, dtype=labels.dtype)])
+    distances = triplet_distances(distance_metric, embeddings, memory_embeddings)
+    return loss_function(distances, labels.to(distances.device), ref_labels.to(distances.device), margin)
+
+
+class _BatchTripletLoss(nn.Module):
+    """What the three losses share: the upstream constructor, forward, and a memory-aware entry point."""
+
+    loss_function: TripletLossFunction
+
+    def __init__(self, model: nn.Module, distance_metric: DistanceMetric = euclidean_distance, margin: float = 5) -> None:
+        super().__init__()
+        self.model = model
+        self.distance_metric = distance_metric
+        self.margin = margin
+
+    @property
+    def sentence_embedder(self) -> nn.Module:
+        """Upstream's name for the model (the trainer looks for ``model`` to swap in a DDP wrapper)."""
+        return self.model
+
+    @property
+    def triplet_margin(self) -> float:
+        """Upstream's name for the margin in the batch-all and batch-hard losses."""
+        return self.margin
+
+    @triplet_margin.setter
+    def triplet_margin(self, value: float) -> None:
+        self.margin = value
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor) -> Tensor:
+        embeddings = self.model(list(sentence_features)[0])["sentence_embedding"]
+        return self.compute_loss_from_embeddings([embeddings], labels)
+
+    def compute_loss_from_embeddings(
+        self,
+        embeddings: Sequence[Tensor],
+        labels: Tensor,
+        memory_embeddings: Tensor | None = None,
+        memory_labels: Tensor | None = None,
+    ) -> Tensor:
+        """The loss with ``embeddings[0]`` as anchors; ``memory_*`` (detached) extend the references."""
+        anchors = embeddings[0]
+        labels = check_triplet_labels(labels, len(anchors), type(self).__name__)
+        return triplet_loss_from_embeddings(
+            type(self).loss_function,
+            self.distance_metric,
+            self.margin,
+            anchors,
+            labels,
+            memory_embeddings,
+            memory_labels,
+        )
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "distance_metric": getattr(self.distance_metric, "__name__", str(self.distance_metric)),
+            "margin": self.margin,
+        }
+
+    @property
+    def citation(self) -> str:
+        return TRIPLET_CITATION
+
+
+class BatchAllTripletLoss(_BatchTripletLoss):
+    """Upstream's ``BatchAllTripletLoss`` (same arguments, values and gradients) in O(B×R) memory.
+
+    Every valid triplet counts: anchor and positive share a label, the negative has another; the loss
+    is the mean of ``relu(d(a, p) - d(a, n) + margin)`` over the triplets where it is positive. Needs
+    one text column and a label column, at least two texts per class.
+    """
+
+    loss_function = staticmethod(batch_all_triplet_loss)
+
+
+class BatchHardTripletLoss(_BatchTripletLoss):
+    """Upstream's ``BatchHardTripletLoss``: per anchor, its farthest positive and nearest negative."""
+
+    loss_function = staticmethod(batch_hard_triplet_loss)
+
+
+class BatchSemiHardTripletLoss(_BatchTripletLoss):
+    """Upstream's ``BatchSemiHardTripletLoss`` without 4.x's B²×B tiling: per positive pair, the
+    nearest negative that is farther than the positive (else the anchor's farthest negative)."""
+
+    loss_function = staticmethod(batch_semi_hard_triplet_loss)
+
+
+def triplet_settings(loss: nn.Module) -> tuple[TripletLossFunction, DistanceMetric, float] | None:
+    """(loss function, distance metric, margin) of a triplet loss, st_ext's or upstream's; else None."""
+    if isinstance(loss, _BatchTripletLoss):
+        return type(loss).loss_function, loss.distance_metric, loss.margin
+    upstream = st_losses()
+    functions = {
+        "BatchAllTripletLoss": batch_all_triplet_loss,
+        "BatchHardTripletLoss": batch_hard_triplet_loss,
+        "BatchSemiHardTripletLoss": batch_semi_hard_triplet_loss,
+    }
+    for name, function in functions.items():
+        if type(loss) is getattr(upstream, name):
+            margin = loss.margin if name == "BatchSemiHardTripletLoss" else loss.triplet_margin
+            return function, loss.distance_metric, margin
+    return None

@@ -1,0 +1,118 @@
+"""What a training run leaves behind: a per-step memory CSV, metric tables and plots.
+
+Files are written to a temporary name in the same directory and renamed into place, so an
+interrupted run never leaves a half-written report that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from st_ext.memory import PeakMemory, measure_peak
+
+
+def write_atomically(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = data.encode() if isinstance(data, str) else data
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(payload)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    return path
+
+
+class StepMemoryRecorder(TrainerCallback):
+    """Measures each optimizer step's peak memory with :func:`st_ext.memory.measure_peak`."""
+
+    def __init__(self, device):
+        self.device = device
+        self.rows: list[dict] = []
+        self._active: contextlib.AbstractContextManager | None = None
+        self._peak: PeakMemory | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._active = measure_peak(self.device)
+        self._peak = self._active.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._active is None:
+            return
+        self._active.__exit__(None, None, None)
+        self.rows.append(
+            {"step": state.global_step, "peak_mib": round(self._peak.peak_mib, 2), "device": str(self._peak.device), "meter": self._peak.meter}
+        )
+        self._active = self._peak = None
+
+    def write_csv(self, path: Path) -> Path:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "device", "meter"])
+        writer.writeheader()
+        writer.writerows(self.rows)
+        return write_atomically(path, buffer.getvalue())
+
+
+def write_metrics(path: Path, before: dict, after: dict) -> Path:
+    """Metrics before and after training, per Matryoshka dim, as JSON."""
+    payload = {"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in after.items()}}
+    return write_atomically(path, json.dumps(payload, indent=2))
+
+
+def plot_memory(path: Path, rows: list[dict]) -> Path:
+    """Peak memory per optimizer step, as a PNG."""
+    figure, axes = _figure()
+    axes.plot([r["step"] for r in rows], [r["peak_mib"] for r in rows], marker="o")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("peak memory (MiB)")
+    axes.set_title(f"Peak memory per step ({rows[0]['meter'] if rows else 'no steps'})")
+    return _save(figure, path)
+
+
+def plot_metric_by_dim(path: Path, before: dict, after: dict, metric: str = "ndcg@10") -> Path:
+    """``metric`` against Matryoshka dimension, before and after training, as a PNG."""
+    figure, axes = _figure()
+    dims = sorted(before)
+    axes.plot(dims, [before[d][metric] for d in dims], marker="o", label="before")
+    axes.plot(dims, [after[d][metric] for d in dims], marker="o", label="after")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(dims, [str(d) for d in dims])
+    axes.set_xlabel("embedding dimension")
+    axes.set_ylabel(metric)
+    axes.set_title(f"{metric} by Matryoshka dimension")
+    axes.legend()
+    return _save(figure, path)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    axes.grid(True, alpha=0.3)
+    return figure, axes
+
+
+def _save(figure, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return write_atomically(path, buffer.getvalue())

@@ -1,0 +1,307 @@
+"""Cached MatryoshkaLoss: upstream's gradients, mini-batch memory, and the wrapped loss left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from st_ext import losses
+from st_ext._compat import st_losses
+from st_ext.losses.gradcache import minibatch_ranges, slice_minibatch
+from loss_checks import (
+    assert_losses_agree,
+    assert_same_grads,
+    features_of,
+    grads_differ,
+    loss_and_grads,
+    peak_training_bytes,
+    text_columns,
+)
+from tiny_models import sentence_transformer_from
+
+upstream = st_losses()
+DIMS = [32, 16, 8]
+BATCH = 8
+
+
+@pytest.fixture
+def model(tiny_bert_dir):
+    return sentence_transformer_from(tiny_bert_dir)
+
+
+# Dropout off with several mini-batches checks the mini-batching; dropout on with one mini-batch
+# checks that the second forward pass replays the first one's dropout masks.
+SETTINGS = [pytest.param(False, 3, id="eval-3-minibatches"), pytest.param(True, BATCH, id="dropout-replayed")]
+
+
+@pytest.mark.parametrize("train, mini_batch_size", SETTINGS)
+@pytest.mark.parametrize("num_columns", [2, 3], ids=["pairs", "hard-negatives"])
+def test_cached_matches_non_cached_mnrl(model, train, mini_batch_size, num_columns):
+    columns = text_columns(BATCH, num_columns)
+    reference = upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), DIMS)
+    cached = losses.MatryoshkaLoss(
+        model, upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch_size), DIMS
+    )
+    assert_losses_agree(model, cached, reference, columns, train=train)
+
+
+def test_symmetric_cached_loss_matches_upstream_wrapper(model):
+    """Compared with upstream's own cached path: 4.x's cached symmetric loss is not its non-cached one."""
+    columns = text_columns(BATCH, 2)
+
+    def wrapped(wrapper):
+        inner = upstream.CachedMultipleNegativesSymmetricRankingLoss(model, mini_batch_size=3)
+        return wrapper(model, inner, DIMS, [1.0, 0.5, 0.25])
+
+    assert_same_grads(
+        loss_and_grads(model, wrapped(losses.MatryoshkaLoss), columns, train=False),
+        loss_and_grads(model, wrapped(upstream.MatryoshkaLoss), columns, train=False),
+    )
+
+
+@pytest.mark.parametrize(
+    "weights, n_dims_per_step",
+    [([1.0, 0.5, 0.25], -1), (None, 2), ([2.0, 1.0, 0.5], 1)],
+    ids=["weights", "2-dims", "1-dim-weighted"],
+)
+def test_weights_and_dims_per_step_match_upstream(model, weights, n_dims_per_step):
+    columns = text_columns(BATCH, 2)
+    mnrl = upstream.MultipleNegativesRankingLoss(model)
+    reference = upstream.MatryoshkaLoss(model, mnrl, DIMS, weights, n_dims_per_step)
+    cached = losses.MatryoshkaLoss(
+        model, upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3), DIMS, weights, n_dims_per_step
+    )
+    ours = loss_and_grads(model, cached, columns, train=False)
+    assert_same_grads(ours, loss_and_grads(model, reference, columns, train=False))
+    everything = losses.MatryoshkaLoss(model, cached.loss, DIMS)
+    assert grads_differ(ours, loss_and_grads(model, everything, columns, train=False))
+
+
+def test_ordinary_loss_is_upstream_behaviour(model):
+    columns = text_columns(BATCH, 2)
+    reference = upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), DIMS)
+    ours = losses.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), DIMS)
+    assert not ours.uses_gradient_cache
+    assert_losses_agree(model, ours, reference, columns, train=True)
+
+
+def test_evaluation_without_grad_gives_the_training_value(model):
+    columns = text_columns(BATCH, 2)
+    loss = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3), DIMS)
+    model.eval()
+    with torch.no_grad():
+        evaluated = loss(features_of(model, columns), None)
+    assert not evaluated.requires_grad
+    trained, _ = loss_and_grads(model, loss, columns, train=False)
+    torch.testing.assert_close(evaluated, trained)
+
+
+def test_two_forwards_before_backward_keep_their_own_state(model):
+    """Everything a backward needs travels with its loss tensor, not on the loss module."""
+    first, second = text_columns(BATCH, 2, seed=1), text_columns(BATCH, 2, seed=2)
+    loss = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3), DIMS)
+    model.eval()
+    expected = {}
+    for columns in (first, second):
+        for name, grad in loss_and_grads(model, loss, columns, train=False)[1].items():
+            expected[name] = expected.get(name, 0) + grad
+    value_first = loss(features_of(model, first), None)
+    value_second = loss(features_of(model, second), None)
+    (value_first + value_second).backward()
+    actual = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert_same_grads((torch.tensor(0.0), actual), (torch.tensor(0.0), expected))
+
+
+def test_mini_batches_by_rows_or_by_token_budget():
+    lengths = [5, 5, 12, 3, 3]
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
+    features = {"input_ids": mask.clone(), "attention_mask": mask}
+    assert minibatch_ranges(features, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert minibatch_ranges(features, 2, mini_batch_num_tokens=10) == [(0, 2), (2, 3), (3, 5)]
+    assert slice_minibatch(features, 3, 5)["input_ids"].shape == (2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapped loss is left alone
+
+
+def test_wrapping_twice_or_using_bare_is_unchanged(model):
+    columns = text_columns(BATCH, 2)
+    inner = upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
+    bare_before = loss_and_grads(model, inner, columns, train=False)
+    once = losses.MatryoshkaLoss(model, inner, DIMS)
+    wrapped_once = loss_and_grads(model, once, columns, train=False)
+    twice = losses.MatryoshkaLoss(model, inner, DIMS)
+    assert "calculate_loss" not in vars(inner)
+    assert_same_grads(loss_and_grads(model, twice, columns, train=False), wrapped_once)
+    assert_same_grads(loss_and_grads(model, once, columns, train=False), wrapped_once)
+    assert_same_grads(loss_and_grads(model, inner, columns, train=False), bare_before)
+
+
+def test_upstream_matryoshka_mutates_the_wrapped_loss(model):
+    """Upstream replaces calculate_loss on the instance: a second wrapper stacks, the bare loss changes."""
+    columns = text_columns(BATCH, 2)
+    inner = upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
+    bare_before = loss_and_grads(model, inner, columns, train=False)
+    once = loss_and_grads(model, upstream.MatryoshkaLoss(model, inner, DIMS), columns, train=False)
+    assert "calculate_loss" in vars(inner)
+    assert grads_differ(loss_and_grads(model, inner, columns, train=False), bare_before)
+    twice = upstream.MatryoshkaLoss(model, inner, DIMS)
+    with pytest.raises(ValueError, match="cannot be greater than"):  # 32 dims asked of embeddings already cut to 8
+        loss_and_grads(model, twice, columns, train=False)
+    # st_ext reads the class's calculate_loss, so even an instance upstream decorated is wrapped correctly.
+    reference = upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), DIMS)
+    assert_same_grads(
+        loss_and_grads(model, losses.MatryoshkaLoss(model, inner, DIMS), columns, train=False),
+        loss_and_grads(model, reference, columns, train=False),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Memory (CPU, st_ext.memory's profiler meter)
+
+
+@pytest.fixture(scope="module")
+def deep_model(tiny_bert6_dir):
+    return sentence_transformer_from(tiny_bert6_dir).train()
+
+
+def long_columns(batch_size):
+    return text_columns(batch_size, 2, seed=batch_size, min_words=10, max_words=16)
+
+
+def test_peak_memory_does_not_grow_with_batch_size(deep_model):
+    dims = [64, 32, 16]
+    cached = losses.MatryoshkaLoss(
+        deep_model, upstream.CachedMultipleNegativesRankingLoss(deep_model, mini_batch_size=16), dims
+    )
+    reference = upstream.MatryoshkaLoss(deep_model, upstream.MultipleNegativesRankingLoss(deep_model), dims)
+    small, large = long_columns(16), long_columns(128)
+    cached_small = peak_training_bytes(deep_model, cached, small)
+    cached_large = peak_training_bytes(deep_model, cached, large)
+    reference_small = peak_training_bytes(deep_model, reference, small)
+    reference_large = peak_training_bytes(deep_model, reference, large)
+    assert cached_large <= 1.25 * cached_small, (cached_small, cached_large)
+    assert reference_large >= 3 * reference_small, (reference_small, reference_large)
+    assert cached_large * 3 <= reference_large
+
+
+def test_peak_memory_does_not_grow_with_dimensions(deep_model):
+    columns = long_columns(32)
+
+    def peak(dims):
+        inner = upstream.CachedMultipleNegativesRankingLoss(deep_model, mini_batch_size=16)
+        return peak_training_bytes(deep_model, losses.MatryoshkaLoss(deep_model, inner, dims), columns)
+
+    one, five = peak([64]), peak([64, 48, 32, 16, 8])
+    assert five <= 1.25 * one, (one, five)
+
+
+# --------------------------------------------------------------------------------------------
+# Clear errors
+
+
+@pytest.mark.parametrize(
+    "dims, weights, n_dims_per_step, message",
+    [
+        ([], None, -1, "at least one dimension"),
+        ([32, 0], None, -1, "positive integers"),
+        ([32, -8], None, -1, "positive integers"),
+        ([32, 16.5], None, -1, "positive integers"),
+        ([64, 16], None, -1, "above the model's embedding dimension 32"),
+        ([32, 16], [1.0], -1, "1 value.*for 2 matryoshka_dims"),
+        ([32, 16], [1.0, "a"], -1, "must be numbers"),
+        ([32, 16], None, 0, "n_dims_per_step"),
+        ([32, 16], None, -2, "n_dims_per_step"),
+    ],
+)
+def test_bad_arguments(model, dims, weights, n_dims_per_step, message):
+    inner = upstream.CachedMultipleNegativesRankingLoss(model)
+    with pytest.raises(ValueError, match=message):
+        losses.MatryoshkaLoss(model, inner, dims, weights, n_dims_per_step)
+
+
+def test_dimension_checked_at_first_forward_when_unknown(model, monkeypatch):
+    for name in ("get_embedding_dimension", "get_sentence_embedding_dimension"):
+        if hasattr(model, name):
+            monkeypatch.setattr(model, name, lambda: None)
+    loss = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), [48, 16])
+    with pytest.raises(ValueError, match="48 is larger than the model's embedding dimension 32"):
+        loss(features_of(model, text_columns(4, 2)), None)
+
+
+class OpaqueCachedLoss(nn.Module):
+    """A loss that defers its backward to a hook, with no loss-over-embeddings st_ext can call."""
+
+    uses_gradient_cache = True
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+
+def test_unwrappable_losses_say_which_and_why(model):
+    with pytest.raises(TypeError, match="cannot wrap OpaqueCachedLoss: it runs its own backward passes"):
+        losses.MatryoshkaLoss(model, OpaqueCachedLoss(model), DIMS)
+    mega = upstream.MegaBatchMarginLoss(model, use_mini_batched_version=True)
+    with pytest.raises(TypeError, match="cannot wrap MegaBatchMarginLoss"):
+        losses.MatryoshkaLoss(model, mega, DIMS)
+    nested = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), DIMS)
+    with pytest.raises(TypeError, match="cannot be wrapped again"):
+        losses.MatryoshkaLoss(model, nested, DIMS)
+    with pytest.raises(TypeError, match="wraps a loss module"):
+        losses.MatryoshkaLoss(model, lambda features, labels: 0, DIMS)
+
+
+@pytest.mark.parametrize("wrapper", ["AdaptiveLayerLoss", "Matryoshka2dLoss"])
+def test_layer_wrappers_refuse_cached_losses(model, wrapper):
+    cached = upstream.CachedMultipleNegativesRankingLoss(model)
+    args = (DIMS,) if wrapper == "Matryoshka2dLoss" else ()
+    with pytest.raises(TypeError, match=f"{wrapper} cannot wrap CachedMultipleNegativesRankingLoss.*re-embeds"):
+        getattr(losses, wrapper)(model, cached, *args)
+    assert isinstance(getattr(losses, wrapper)(model, upstream.MultipleNegativesRankingLoss(model), *args), nn.Module)
+
+
+def test_model_card_fields(model):
+    loss = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), [16, 32], [0.5, 1.0])
+    assert loss.get_config_dict() == {
+        "loss": "CachedMultipleNegativesRankingLoss",
+        "matryoshka_dims": (32, 16),
+        "matryoshka_weights": (1.0, 0.5),
+        "n_dims_per_step": -1,
+    }
+    assert "kusupati2024matryoshka" in loss.citation
+    assert isinstance(loss, upstream.MatryoshkaLoss)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+
+
+def test_registry_builds_named_losses(model):
+    built = losses.build_loss("matryoshka_cached_mnrl", model, mini_batch_size=4, matryoshka_dims=[32, 8])
+    assert isinstance(built, losses.MatryoshkaLoss) and built.matryoshka_dims == (32, 8)
+    assert isinstance(built.loss, upstream.CachedMultipleNegativesRankingLoss) and built.loss.mini_batch_size == 4
+    assert type(losses.build_loss("mnrl", model, scale=10.0)).__name__ == "MultipleNegativesRankingLoss"
+    assert losses.build_loss("matryoshka_mnrl", model).matryoshka_dims == (32,)
+    assert {"mnrl", "cached_mnrl", "gist", "cached_gist", "matryoshka_cached_mnrl", "matryoshka_cached_gist"} <= set(
+        losses.known_losses()
+    )
+
+
+def test_registry_errors(model):
+    with pytest.raises(ValueError, match="Unknown loss 'mnrll'. Known losses: angle, .*cached_gist"):
+        losses.build_loss("mnrll", model)
+    with pytest.raises(ValueError, match="use 'matryoshka_mnrl'"):
+        losses.build_loss("mnrl", model, matryoshka_dims=[16])
+    with pytest.raises(ValueError, match="needs a guide"):
+        losses.build_loss("cached_gist", model)
+    with pytest.raises(ValueError, match="takes no guide"):
+        losses.build_loss("cached_mnrl", model, guide=model)
+
+
+def test_every_upstream_loss_name_is_exported():
+    assert set(upstream.__all__) <= set(losses.__all__)
+    assert losses.MultipleNegativesRankingLoss is upstream.MultipleNegativesRankingLoss
+    assert losses.MatryoshkaLoss is not upstream.MatryoshkaLoss

@@ -1,0 +1,104 @@
+"""The st-ext command: a full tiny run, its files, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from st_ext.cli import EXIT_BAD_INPUT, main
+from tiny_models import SENTENCES
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    rows = [{"question": f"{s} {i}", "answer": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"} for i, s in enumerate(SENTENCES * 3)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def tiny_run_args(model_dir, data, output_dir, *extra):
+    return [
+        "train", "--model", str(model_dir), "--data", str(data), "--anchor-column", "question",
+        "--positive-column", "answer", "--max-steps", "2", "--batch-size", "4", "--mini-batch-size", "2",
+        "--matryoshka-dims", "32", "16", "--output-dir", str(output_dir), *extra,
+    ]
+
+
+def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_path, capsys):
+    output = tmp_path / "run"
+    assert main(tiny_run_args(tiny_bert_dir, pairs_file, output, "--loss", "matryoshka_cached_mnrl")) == 0
+    printed = capsys.readouterr().out
+    assert "recall@10" in printed and str(output / "ndcg_by_dim.png") in printed
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert set(metrics["before"]) == set(metrics["after"]) == {"32", "16"}
+    rows = list(csv.DictReader((output / "memory_per_step.csv").open()))
+    assert [row["step"] for row in rows] == ["1", "2"]
+    assert all(float(row["peak_mib"]) > 0 for row in rows)
+    for png in ("memory_per_step.png", "ndcg_by_dim.png"):
+        assert (output / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (output / "model" / "modules.json").is_file()
+    assert not [p.name for p in output.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+
+def test_config_file_with_precomputed_guide(tiny_bert_dir, pairs_file, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"model: {tiny_bert_dir}\ndata: {pairs_file}\nanchor_column: question\npositive_column: answer\n"
+        f"loss: matryoshka_cached_gist\nguide_mode: precompute\nmax_steps: 2\nbatch_size: 4\n"
+        f"mini_batch_size: 2\nmatryoshka_dims: [32, 8]\noutput_dir: {tmp_path / 'run'}\n"
+    )
+    assert main(["train", "--config", str(config)]) == 0
+    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())["after"]) == {"32", "8"}
+
+
+def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file, tmp_path, capsys):
+    args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl")
+    args[args.index("--mini-batch-size") + 1] = "auto"
+    assert main(args + ["--memory-budget-mb", "4096", "--matryoshka-dims", "32"]) == 0
+    assert "mini_batch_size auto -> 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--model", "/no/such/model"], "model: '/no/such/model' is not a directory"),
+        (["--loss", "no_such_loss"], "unknown name 'no_such_loss'"),
+        (["--anchor-column", "query"], "column(s) query not in pairs.jsonl"),
+        (["--matryoshka-dims", "64"], "exceed the model's embedding size 32"),
+        (["--mini-batch-size", "auto"], "needs a memory budget"),
+        (["--data", "/no/such/file.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
+    args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")
+    for flag, value in zip(change[::2], change[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    assert main(args) == EXIT_BAD_INPUT
+    stderr = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in stderr if "error" in line.lower()]
+    assert errors == [stderr[-1]] and errors[0].startswith("st-ext: error: ") and message in errors[0]
+    assert not (tmp_path / "run" / "model").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("batch_size: [unclosed", "is not valid YAML"), ("- a\n- b\n", "must hold a mapping"), ("batch_sise: 3\n", "unknown setting(s) batch_sise")],
+)
+def test_malformed_config_is_refused(tmp_path, capsys, content, message):
+    config = tmp_path / "config.yaml"
+    config.write_text(content)
+    assert main(["train", "--config", str(config)]) == EXIT_BAD_INPUT
+    assert message in capsys.readouterr().err
+
+
+def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("anchor,positive\n")
+    assert main(["train", "--model", str(tiny_bert_dir), "--data", str(empty), "--output-dir", str(tmp_path / "run")]) == EXIT_BAD_INPUT
+    assert "data:" in capsys.readouterr().err

@@ -1,0 +1,254 @@
+"""Training under torch.distributed: 2 ranks on the CPU (gloo), launched with torchrun.
+
+Two launches of ``tests/distributed_worker.py`` per module:
+
+* ``losses``: one manual DDP step per loss case; the ranks save what they computed and each test
+  compares it with a single process computing the same step here. Which single-process step a DDP
+  step equals is explained in the worker's docstring: the mean of per-rank steps when in-batch
+  negatives stay on their rank, the step over the concatenated batch with gather_across_devices.
+* ``train``: an ordinary st_ext training script, unchanged, under torchrun.
+
+The model's dropout is 0 (in its config), so a step is a deterministic function of the weights and
+the batch, and the comparisons hold to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distributed_worker as worker
+from st_ext._compat import ST_VERSION
+from tiny_models import save_tiny_bert
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(worker.__file__)
+LAUNCH_TIMEOUT_S = 600
+LOSS_CASES = sorted(worker.CASES)
+GATHER_CASES = [name for name in LOSS_CASES if worker.CASES[name].gathered]
+MARKED_TWICE_ERROR = "marked as ready twice"
+UNFINISHED_REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker_environment() -> dict[str, str]:
+    """Offline, CPU only (also on a GPU machine, so results do not depend on it), one thread per rank."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def torchrun(*worker_args: str, log: Path) -> None:
+    """Run the worker on 2 ranks; fail with the end of its output if any rank fails or it hangs."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc_per_node", str(worker.WORLD_SIZE),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        str(WORKER), *worker_args,
+    ]  # fmt: skip
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=worker_environment(), start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    if returncode != 0:
+        outcome = "timed out (a rank waiting in a collective?)" if returncode is None else f"exited {returncode}"
+        pytest.fail(f"torchrun {outcome}; end of its output:\n{log.read_text()[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The model to train (dropout 0) and a different frozen guide."""
+    root = tmp_path_factory.mktemp("distributed_models")
+    return {
+        "model": save_tiny_bert(root / "model", dropout=0.0),
+        "guide": save_tiny_bert(root / "guide", dropout=0.0, seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def loss_run(model_dirs, tmp_path_factory) -> Path:
+    """The directory where both ranks saved every available loss case and the two failure cases."""
+    out = tmp_path_factory.mktemp("distributed_losses")
+    cases = [name for name in LOSS_CASES if worker.CASES[name].available()]
+    torchrun(
+        "losses", "--model", str(model_dirs["model"]), "--guide", str(model_dirs["guide"]), "--out", str(out), *cases,
+        log=out / "torchrun.log",
+    )  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_reports(model_dirs, tmp_path_factory) -> list[dict]:
+    """Each rank's report of the unchanged training scripts, rank 0 first."""
+    out = tmp_path_factory.mktemp("distributed_trainers")
+    torchrun(
+        "train", "--model", str(model_dirs["model"]), "--out", str(out),
+        log=out / "torchrun.log",
+    )  # fmt: skip
+    return [json.loads((out / f"train-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+
+
+def rank_results(out: Path, name: str) -> list:
+    return [torch.load(out / f"{name}-rank{rank}.pt", weights_only=False) for rank in range(worker.WORLD_SIZE)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def assert_close_tensors(actual: dict, expected: dict, what: str) -> None:
+    """Same names, and values equal up to float32 round-off relative to the largest entry."""
+    assert actual.keys() == expected.keys(), f"{what}: different parameters"
+    scale = max(value.abs().max().item() for value in expected.values())
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-4, atol=1e-5 * scale, msg=f"{what}: {name}")
+
+
+def assert_same_step(ranks: list[dict], reference: dict, gathered: bool, step: int) -> None:
+    """One DDP step against its single-process reference: losses, averaged gradients, updated weights."""
+    for rank, result in enumerate(ranks):
+        assert_close_tensors(result["grads"], reference["grads"], f"step {step}, rank {rank} gradients")
+        assert_close_tensors(result["params"], reference["params"], f"step {step}, rank {rank} parameters")
+    rank_losses = torch.tensor([result["loss"] for result in ranks])
+    if gathered:
+        # Each rank's loss is the mean over its anchors; their mean is the concatenated batch's loss.
+        torch.testing.assert_close(rank_losses.mean(), torch.tensor(reference["loss"]), rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(rank_losses, torch.tensor(reference["rank_losses"]), rtol=1e-5, atol=1e-6)
+    if reference["memory"] is not None:
+        for result in ranks:
+            torch.testing.assert_close(result["memory"], reference["memory"], rtol=1e-4, atol=1e-6)
+
+
+def require_available(name: str) -> None:
+    if not worker.CASES[name].available():
+        pytest.skip(f"sentence-transformers {ST_VERSION} has no gather_across_devices (added in 5.x, PR #3442)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss equality under DDP
+
+
+@pytest.mark.parametrize("name", LOSS_CASES)
+def test_ddp_step_matches_single_process(name, loss_run, model_dirs):
+    """The DDP-averaged gradient and update equal the single-process step the case stands for."""
+    require_available(name)
+    ranks = rank_results(loss_run, name)
+    reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
+    assert len(reference) == worker.CASES[name].steps
+    for step, expected in enumerate(reference):
+        step_ranks = [steps[step] for steps in ranks]
+        # DDP invariant: every rank holds the same averaged gradient, so the replicas stay identical.
+        assert_close_tensors(step_ranks[1]["grads"], step_ranks[0]["grads"], f"step {step}, rank 1 vs rank 0")
+        assert_same_step(step_ranks, expected, worker.CASES[name].gathered, step)
+
+
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_gathering_changes_the_step(name, loss_run):
+    """Gathered and per-rank negatives give different updates, so the comparisons above can tell them apart."""
+    require_available(name)
+    local_name = name.removesuffix("_gathered")
+    gathered, local = rank_results(loss_run, name)[0][0], rank_results(loss_run, local_name)[0][0]
+    differs = any(
+        not torch.allclose(gathered["grads"][key], local["grads"][key], rtol=1e-3, atol=1e-6) for key in local["grads"]
+    )
+    assert differs, f"{name} and {local_name} produced the same gradients"
+
+
+def test_memory_holds_every_ranks_documents(loss_run):
+    """After a step each rank's queue holds the documents (positives and negatives) of both ranks."""
+    documents_per_step = worker.WORLD_SIZE * worker.ROWS_PER_RANK * (len(worker.COLUMNS) - 1)
+    for step, ranks in enumerate(zip(*rank_results(loss_run, "cross_batch_memory"))):
+        assert [len(result["memory"]) for result in ranks] == [documents_per_step * (step + 1)] * worker.WORLD_SIZE
+        torch.testing.assert_close(ranks[1]["memory"], ranks[0]["memory"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP settings that fail
+
+
+def test_reentrant_checkpointing_fails_with_unused_parameter_detection(loss_run):
+    """st_ext defaults to use_reentrant=False because the re-entrant variant breaks under DDP with
+    find_unused_parameters=True, which the Trainer sets for every sentence-transformers model."""
+    for result in rank_results(loss_run, "reentrant"):
+        assert result["error"] is not None and MARKED_TWICE_ERROR in result["error"], result["error"]
+
+
+def test_unused_parameter_detection_off_leaves_gradients_unaveraged(loss_run):
+    """With ddp_find_unused_parameters=False, BERT's unused pooler stops DDP from averaging anything:
+    the replicas' first update differs, and the second step raises."""
+    first, second = rank_results(loss_run, "no-unused-detection")
+    assert not torch.allclose(first["first_step_grad"], second["first_step_grad"])
+    for result in (first, second):
+        assert result["second_step_error"] is not None
+        assert UNFINISHED_REDUCTION_ERROR in result["second_step_error"], result["second_step_error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainers, unchanged under torchrun
+
+
+def upstream_trainer_resets_cpu_state() -> bool:
+    """sentence-transformers before PR #3525 builds default TrainingArguments inside the trainer's
+    ``__init__``; their device setup resets accelerate's process-wide state, so a ``use_cpu=True``
+    run under torchrun silently trains each rank alone."""
+    import inspect
+
+    import sentence_transformers
+
+    trainer_classes = sentence_transformers.SentenceTransformerTrainer.__mro__
+    modules = {inspect.getmodule(cls) for cls in trainer_classes if cls.__module__.startswith("sentence_transformers")}
+    return not any("use_configured_state" in inspect.getsource(module) for module in modules)
+
+
+def xfail_known_upstream_failure(outcome: list[dict], trainer: str) -> None:
+    """Mark the known upstream failures as expected until st_ext works around them."""
+    reports = [rank[trainer]["report"] for rank in outcome]
+    errors = [rank[trainer]["error"] for rank in outcome]
+    if all(report and report["world_size"] == 1 for report in reports) and upstream_trainer_resets_cpu_state():
+        pytest.xfail(
+            f"sentence-transformers {ST_VERSION}: the trainer resets accelerate's CPU state, so each rank "
+            "trains alone (fixed upstream in PR #3525)"
+        )
+
+
+@pytest.mark.parametrize("trainer", ["sentence_transformer"])
+def test_trainer_runs_under_torchrun_with_checkpointing(trainer, trainer_reports):
+    """Both ranks finish max_steps under DDP with gradient checkpointing on, with identical weights."""
+    xfail_known_upstream_failure(trainer_reports, trainer)
+    errors = [rank[trainer]["error"] for rank in trainer_reports]
+    assert errors == [None] * worker.WORLD_SIZE, errors
+    reports = [rank[trainer]["report"] for rank in trainer_reports]
+    for report in reports:
+        assert report["world_size"] == worker.WORLD_SIZE
+        assert report["wrapped_in"] == "DistributedDataParallel"
+        # The Trainer's choice for models that are not a transformers PreTrainedModel.
+        assert report["find_unused_parameters"] is True
+        assert report["checkpointing"] is True
+        assert report["global_step"] == 2
+    assert reports[0]["digest"] == reports[1]["digest"], "the replicas' weights differ after training"

@@ -1,0 +1,37 @@
+"""Every example runs end to end, offline, with a tiny step count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# script -> (quick arguments, a line fragment the script prints when it has shown what it is for)
+QUICK_RUNS = {
+    "cached_matryoshka.py": (["--max-steps", "1", "--batch-size", "16"], "peak memory of one step"),
+    "cached_gist_guide.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
+    "cross_encoder_checkpointing.py": (["--max-steps", "1"], "activation memory"),
+    "triplet_cross_batch_memory.py": (
+        ["--max-steps", "2", "--batch-size", "8", "--memory-size", "32"],
+        "identical after loading: True",
+    ),
+}
+
+
+def test_every_example_is_covered():
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(QUICK_RUNS)
+
+
+@pytest.mark.parametrize("script", sorted(QUICK_RUNS))
+def test_example_runs(script, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    quick_args, shown = QUICK_RUNS[script]
+    command = [sys.executable, str(EXAMPLES / script), *quick_args, "--output-dir", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shown in result.stdout, result.stdout
