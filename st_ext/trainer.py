@@ -18,6 +18,7 @@ from typing import Iterator
 import sentence_transformers
 from torch import nn
 
+from st_ext.ddp_fixes import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.models import CheckpointingMixin
 
 _LENT_METHODS = (
@@ -49,11 +50,22 @@ def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
 
 
 class CheckpointingTrainerMixin:
-    """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds."""
+    """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds,
+    and with the DDP work-arounds of :mod:`st_ext.ddp_fixes`."""
+
+    def __init__(self, *args, **kwargs):
+        settings = kwargs.get("args", args[1] if len(args) > 1 else None)
+        with keep_cpu_flag(settings):
+            super().__init__(*args, **kwargs)
 
     def train(self, *args, **kwargs):
-        with lend_checkpointing_methods(self.model):
+        with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
             return super().train(*args, **kwargs)
+
+    def override_model_in_loss(self, loss, model):
+        loss = super().override_model_in_loss(loss, model)
+        swap_model_in_loss(loss, model)
+        return loss
 
 
 def resolve_loss_names(loss, model):

@@ -7,8 +7,9 @@ DDP's all-reduce and the updated parameters, for the test to compare with a sing
 settings that fail: ``find_unused_parameters=False`` with BERT's unused pooler, and re-entrant
 checkpointing with ``find_unused_parameters=True``.
 
-``train`` mode: an ordinary st_ext training script (:func:`train_sentence_transformer`), with no
-distributed code in it, run unchanged; each rank reports what its trainer did.
+``train`` mode: ordinary st_ext training scripts (:func:`train_sentence_transformer`,
+:func:`train_cross_encoder`), with no distributed code in them, run unchanged; each rank reports what
+its trainer did.
 
 What a DDP step equals, and so which single process it is compared with:
 
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tiny_models import WORDS, sentence_transformer_from
+from tiny_models import WORDS, cross_encoder_from, sentence_transformer_from
 
 WORLD_SIZE = 2
 ROWS_PER_RANK = 8
@@ -368,6 +369,34 @@ def train_sentence_transformer(model_dir: Path, output_dir: Path):
     return trainer
 
 
+def train_cross_encoder(classifier_dir: Path, output_dir: Path):
+    """A plain st_ext CrossEncoder script (default loss), with gradient checkpointing, two steps."""
+    from datasets import Dataset
+
+    from st_ext import CrossEncoderTrainer, CrossEncoderTrainingArguments
+
+    model = cross_encoder_from(classifier_dir)
+    anchors, positives, negatives = global_batch(0)
+    labels = [1.0] * len(positives) + [0.0] * len(negatives)
+    dataset = Dataset.from_dict({"query": anchors + anchors, "passage": positives + negatives, "label": labels})
+    args = CrossEncoderTrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=ROWS_PER_RANK,
+        gradient_checkpointing=True,
+        ddp_backend="gloo",
+        use_cpu=True,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    return trainer
+
+
 def parameter_digest(model: nn.Module) -> str:
     """A hash of every parameter's bytes: equal on all ranks iff DDP kept the replicas identical."""
     digest = hashlib.sha256()
@@ -399,11 +428,12 @@ def run_and_report(train: Callable, *args) -> dict:
         return {"report": None, "error": f"{type(error).__name__}: {error}"}
 
 
-def run_training_scripts(model_dir: Path, out_dir: Path) -> None:
+def run_training_scripts(model_dir: Path, classifier_dir: Path, out_dir: Path) -> None:
     rank = int(os.environ["RANK"])
-    # The CrossEncoder trainer is left out: under DDP it fails upstream on every supported version
-    # (README, "Known not to work"), on 6.x sometimes by aborting the process rather than raising.
-    reports = {"sentence_transformer": run_and_report(train_sentence_transformer, model_dir, out_dir / "st")}
+    reports = {
+        "sentence_transformer": run_and_report(train_sentence_transformer, model_dir, out_dir / "st"),
+        "cross_encoder": run_and_report(train_cross_encoder, classifier_dir, out_dir / "ce"),
+    }
     (out_dir / f"train-rank{rank}.json").write_text(json.dumps(reports))
 
 
@@ -417,12 +447,13 @@ def main() -> None:
     losses_parser.add_argument("cases", nargs="+", choices=sorted(CASES))
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
+    train_parser.add_argument("--classifier", type=Path, required=True)
     train_parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.mode == "losses":
         run_loss_checks(args.model, args.guide, args.out, args.cases)
     else:
-        run_training_scripts(args.model, args.out)
+        run_training_scripts(args.model, args.classifier, args.out)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--matryoshka-dims", "64"], "exceed the model's embedding size 32"),
         (["--mini-batch-size", "auto"], "needs a memory budget"),
         (["--data", "/no/such/file.jsonl"], "does not exist"),
+        (["--loss", "gist", "--guide-mode", "offload"], "needs a cached GIST loss"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
