@@ -18,7 +18,6 @@ A tree with nothing checkpointable is an error, never a silent no-op.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
@@ -96,12 +95,7 @@ def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any)
 def _enable_custom(module: nn.Module, kwargs: dict, extra: dict) -> None:
     """Call a custom module's ``gradient_checkpointing_enable`` with whatever it accepts (maybe nothing)."""
     method = module.gradient_checkpointing_enable
-    parameters = inspect.signature(method).parameters
-    call_kwargs = _compat.accepted_kwargs(method, extra)
-    if "gradient_checkpointing_kwargs" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-    ):
-        call_kwargs["gradient_checkpointing_kwargs"] = dict(kwargs)
+    call_kwargs = _compat.accepted_kwargs(method, {**extra, "gradient_checkpointing_kwargs": dict(kwargs)})
     method(**call_kwargs)
 
 

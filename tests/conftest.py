@@ -23,6 +23,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny tensors: intra-op threads gain nothing, and on a busy machine every
+    parallel op can wait a scheduler slice for its second thread (several times slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory):
     """A 2-layer tiny BERT encoder with its tokenizer."""

@@ -339,6 +339,21 @@ def run_loss_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_names:
 # The user's training scripts, unchanged under torchrun
 
 
+# What both unchanged training scripts ask of their trainer: two steps, checkpointing, gloo on the CPU.
+TRAINER_SETTINGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=ROWS_PER_RANK,
+    gradient_checkpointing=True,
+    ddp_backend="gloo",
+    use_cpu=True,
+    learning_rate=1e-3,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+)
+
+
 def train_sentence_transformer(model_dir: Path, output_dir: Path):
     """A plain st_ext script: cached Matryoshka loss, gradient checkpointing, two steps on the CPU."""
     from datasets import Dataset
@@ -351,19 +366,7 @@ def train_sentence_transformer(model_dir: Path, output_dir: Path):
     loss = losses.MatryoshkaLoss(
         model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE), MATRYOSHKA_DIMS
     )
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=2,
-        per_device_train_batch_size=ROWS_PER_RANK,
-        gradient_checkpointing=True,
-        ddp_backend="gloo",
-        use_cpu=True,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **TRAINER_SETTINGS)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
     trainer.train()
     return trainer
@@ -379,19 +382,7 @@ def train_cross_encoder(classifier_dir: Path, output_dir: Path):
     anchors, positives, negatives = global_batch(0)
     labels = [1.0] * len(positives) + [0.0] * len(negatives)
     dataset = Dataset.from_dict({"query": anchors + anchors, "passage": positives + negatives, "label": labels})
-    args = CrossEncoderTrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=2,
-        per_device_train_batch_size=ROWS_PER_RANK,
-        gradient_checkpointing=True,
-        ddp_backend="gloo",
-        use_cpu=True,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = CrossEncoderTrainingArguments(output_dir=str(output_dir), **TRAINER_SETTINGS)
     trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     return trainer

@@ -43,13 +43,7 @@ RANKING = [
 COLUMNS = [pytest.param(2, id="pairs"), pytest.param(3, id="hard-negative")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread gains nothing and waits on a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -26,14 +26,7 @@ INT_MAX = torch.iinfo(torch.int32).max
 TIE_TOLERANCE = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads gain nothing, and on a busy machine every parallel
-    op can wait a scheduler slice for its second thread (a 7x slower module)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 INDEX_PATHS = {

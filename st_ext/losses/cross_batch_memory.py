@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,9 +52,16 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from st_ext._compat import st_losses
-from st_ext._compat import is_gradient_caching
-from st_ext.losses.gradcache import Features, Ranges, Reps, batch_size_of, chunked_rows, gradcache_forward
+from st_ext._compat import is_gradient_caching, st_losses
+from st_ext.losses.gradcache import (
+    Features,
+    Ranges,
+    Reps,
+    batch_size_of,
+    chunked_rows,
+    gradcache_forward,
+    row_token_keys,
+)
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
 logger = logging.getLogger(__name__)
@@ -174,12 +180,9 @@ def document_keys(features: Features) -> Tensor:
         any_tensor = next((v for v in features.values() if isinstance(v, Tensor)), None)
         device = None if any_tensor is None else any_tensor.device
         return torch.full((batch_size_of(features),), UNKNOWN_KEY, dtype=torch.int64, device=device)
-    mask = features.get("attention_mask")
-    ids = input_ids.detach().cpu().numpy().astype(np.int64)
-    keep = np.ones_like(ids, dtype=bool) if mask is None else mask.detach().cpu().numpy().astype(bool)
     keys = [
-        int.from_bytes(hashlib.blake2b(row[row_keep].tobytes(), digest_size=8).digest(), "little") >> 1
-        for row, row_keep in zip(ids, keep)
+        int.from_bytes(hashlib.blake2b(row_key, digest_size=8).digest(), "little") >> 1
+        for row_key in row_token_keys(features)
     ]
     return torch.tensor(keys, dtype=torch.int64, device=input_ids.device)
 
