@@ -41,8 +41,6 @@ upstream = st_losses()
 def batch_texts(batch_size: int) -> list[list[str]]:
     """(anchor, positive) columns of the first ``batch_size`` built-in pairs."""
     pairs = stdlib_pairs()
-    if batch_size > len(pairs):
-        raise SystemExit(f"--batch-size/--max-batch {batch_size} exceeds the {len(pairs)} built-in pairs.")
     return [[pair["anchor"] for pair in pairs[:batch_size]], [pair["positive"] for pair in pairs[:batch_size]]]
 
 
@@ -130,6 +128,11 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's choice)")
     args = parser.parse_args()
+    available = len(stdlib_pairs())
+    for flag in ("batch_size", "budget_batch", "max_batch"):
+        value = getattr(args, flag)
+        if value > available:
+            parser.error(f"--{flag.replace('_', '-')} {value} exceeds the {available} built-in pairs.")
 
     device = resolve_device()
     if device.type == "cpu" and args.threads:

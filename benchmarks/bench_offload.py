@@ -99,7 +99,8 @@ def main() -> None:
         return
 
     repo_root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    search_path = [str(repo_root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(search_path)}
     rows = []
     for scenario in SCENARIOS:
         completed = subprocess.run(

@@ -27,7 +27,8 @@ DIMS = [384, 128, 32]
 def step_peak(model, loss, pairs, batch_size: int) -> float:
     """Peak MiB of one loss forward and backward over ``batch_size`` pairs."""
     rows = pairs[:batch_size]
-    features = [preprocess(model, [r["anchor"] for r in rows]), preprocess(model, [r["positive"] for r in rows])]
+    anchors, positives = [r["anchor"] for r in rows], [r["positive"] for r in rows]
+    features = [preprocess(model, anchors, model.device), preprocess(model, positives, model.device)]
     with measure_peak() as peak:
         loss(features, None).backward()
     model.zero_grad(set_to_none=False)

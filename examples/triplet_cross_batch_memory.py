@@ -82,9 +82,9 @@ class TripletCounts(TrainerCallback):
 
 def step_peak_mib(model, loss, texts: list[str], labels: torch.Tensor) -> float:
     """Peak MiB of one loss forward and backward over ``texts``."""
-    features = [preprocess(model, texts)]
+    features = [preprocess(model, texts, model.device)]
     with measure_peak() as peak:
-        loss(features, labels).backward()
+        loss(features, labels.to(model.device)).backward()
     model.zero_grad(set_to_none=False)
     return peak.peak_mib
 

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 import sentence_transformers.util as st_util
+import torch
 from torch import Tensor
 
 import sentence_transformers
@@ -59,10 +60,13 @@ def st_losses() -> ModuleType:
     return importlib.import_module("sentence_transformers.losses")
 
 
-def preprocess(model: nn.Module, texts: list) -> dict:
-    """Tokenize ``texts`` for ``model`` (``tokenize`` was renamed ``preprocess`` in 5.4)."""
+def preprocess(model: nn.Module, texts: list, device: str | torch.device | None = None) -> dict:
+    """Tokenize ``texts`` for ``model`` (``tokenize`` was renamed ``preprocess`` in 5.4), on ``device`` if given."""
     method = getattr(model, "preprocess", None) or model.tokenize
-    return method(texts)
+    features = method(texts)
+    if device is None:
+        return features
+    return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in features.items()}
 
 
 def embedding_dimension(model: nn.Module) -> int | None:

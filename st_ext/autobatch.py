@@ -57,7 +57,7 @@ def choose_mini_batch_size(model, texts: list[str], batch_size: int, budget_byte
     try:
         for size in candidates:
             rows = [texts[i % len(texts)] for i in range(size)]
-            features = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in preprocess(model, rows).items()}
+            features = preprocess(model, rows, model.device)
             with measure_peak(model.device) as peak:
                 model(features)["sentence_embedding"].float().pow(2).sum().backward()
             model.zero_grad(set_to_none=True)

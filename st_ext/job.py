@@ -81,11 +81,6 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
     if config.guide_mode not in GUIDE_MODES:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(GUIDE_MODES)}.")
-    if config.loss.removeprefix("matryoshka_") == "gist" and config.guide_mode != "resident":
-        raise ConfigError(
-            f"guide_mode: {config.guide_mode!r} needs a cached GIST loss (e.g. matryoshka_cached_gist); "
-            "the non-cached 'gist' keeps its guide resident: pass --guide-mode resident."
-        )
     if config.batch_size < 2:
         raise ConfigError(f"batch_size: {config.batch_size} leaves no in-batch negatives; use 2 or more.")
     if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):

@@ -85,13 +85,40 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
     """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model,
     ``loss`` may also be a registered loss name (see :func:`st_ext.losses.registry.known_losses`), and
     the queue of a :class:`~st_ext.losses.cross_batch_memory.CrossBatchMemoryLoss` is saved with each
-    checkpoint and restored on resume."""
+    checkpoint and restored on resume.
 
-    def __init__(self, model=None, args=None, train_dataset=None, eval_dataset=None, loss=None, *rest, **kwargs):
-        super().__init__(model, args, train_dataset, eval_dataset, resolve_loss_names(loss, model), *rest, **kwargs)
+    ``frozen_encoders`` (keyword only): ``"resident"`` (default), ``"offload"`` or ``"precompute"``
+    for every GIST guide and distillation teacher of the loss; see :mod:`st_ext.frozen_encoder_option`.
+    With ``"precompute"`` they are run over ``train_dataset`` and ``eval_dataset`` here, then released;
+    :attr:`frozen_encoder_reports` holds what each release freed.
+    """
+
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        loss=None,
+        *rest,
+        frozen_encoders: str = "resident",
+        **kwargs,
+    ):
+        from st_ext.frozen_encoder_option import apply_frozen_encoder_mode, validate_frozen_encoder_mode
         from st_ext.losses.cross_batch_memory import attach_memory_callback
 
+        validate_frozen_encoder_mode(frozen_encoders)
+        super().__init__(model, args, train_dataset, eval_dataset, resolve_loss_names(loss, model), *rest, **kwargs)
         attach_memory_callback(self)
+        self.frozen_encoders = frozen_encoders
+        self.frozen_encoder_reports = apply_frozen_encoder_mode(
+            frozen_encoders,
+            self.loss,
+            datasets=[dataset for dataset in (train_dataset, eval_dataset) if dataset is not None],
+            device=self.model.device,
+            prompts=getattr(self.args, "prompts", None),
+            show_progress_bar=not self.args.disable_tqdm,
+        )
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""

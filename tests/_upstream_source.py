@@ -8,6 +8,7 @@ repository has LF). Sdists are cached in ``<repo>/.venv/sdists`` so that only th
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES_DIR = REPO_ROOT / "patches"
@@ -102,3 +105,33 @@ def _find_sdist(name: str, version: str, cache_dir: Path) -> Path | None:
 def _normalize(name: str) -> str:
     """A project name as PEP 503 compares it, with ``_`` as separator: sdists spell it either way."""
     return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def start_check_script(script: str | Path, pythonpath: Path | None, log_dir: Path, *args: str) -> subprocess.Popen:
+    """
+    Run ``script`` (a test file that doubles as a check script) in a fresh interpreter, importing upstream from
+    ``pythonpath`` or else the installed package. Output goes to files in ``log_dir``: two runs side by side must
+    not block on full pipes.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    log_dir.mkdir(parents=True)
+    with open(log_dir / "stdout", "w") as stdout, open(log_dir / "stderr", "w") as stderr:
+        command = [sys.executable, str(script), *args]
+        return subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=log_dir)
+
+
+def collect_check_script(process: subprocess.Popen, log_dir: Path, timeout: float = 300) -> dict:
+    """The JSON a check script printed last; its stderr becomes the failure message if it crashed or hung."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    lines = (log_dir / "stdout").read_text().strip().splitlines()
+    if process.returncode != 0 or not lines:
+        stderr = (log_dir / "stderr").read_text()
+        pytest.fail(f"the checks in {log_dir} exited with {process.returncode}:\n{stderr[-4000:]}")
+    return json.loads(lines[-1])

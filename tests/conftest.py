@@ -46,6 +46,12 @@ def tiny_bert6_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def guide_dir(tmp_path_factory):
+    """A tiny BERT with the model's vocabulary and other weights: a guide or teacher that disagrees with it."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_guide"), seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_classifier_dir(tmp_path_factory):
     """A 2-layer tiny BERT sequence classifier with one label, for CrossEncoder tests."""
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_classifier"), classifier=True)

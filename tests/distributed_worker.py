@@ -263,6 +263,19 @@ def use_wrapped_model(loss: nn.Module, wrapped: nn.Module) -> None:
     SentenceTransformerTrainer.__new__(SentenceTransformerTrainer).override_model_in_loss(loss, wrapped)
 
 
+def wrap_in_ddp(model: nn.Module, *, find_unused_parameters: bool) -> nn.Module:
+    """DDP as sentence-transformers' training arguments configure it: ``ddp_broadcast_buffers=False``.
+
+    With buffer broadcasting, each forward overwrites BERT's ``position_ids`` buffer in place while
+    the previous forward's embedding still holds a slice of it for backward, so a loss that embeds
+    two columns before one backward can fail with "modified by an inplace operation" (seen with
+    torch 2.11 and transformers 5.17).
+    """
+    return nn.parallel.DistributedDataParallel(
+        model, find_unused_parameters=find_unused_parameters, broadcast_buffers=False
+    )
+
+
 def ddp_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     """The case's steps under plain DDP, with find_unused_parameters=True as the trainer sets it for
     a SentenceTransformer (a BERT pooler is not part of the loss)."""
@@ -270,7 +283,7 @@ def ddp_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     rank = dist.get_rank()
     model = load_model(model_dir, case.checkpointing)
     loss = case.build(model, load_guide(guide_dir))
-    use_wrapped_model(loss, nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+    use_wrapped_model(loss, wrap_in_ddp(model, find_unused_parameters=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     records = []
     for step in range(case.steps):
@@ -289,7 +302,7 @@ def without_unused_parameter_detection(model_dir: Path) -> dict:
     from st_ext import losses
 
     model = load_model(model_dir)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
+    ddp = wrap_in_ddp(model, find_unused_parameters=False)
     loss = losses.MultipleNegativesRankingLoss(model)
     use_wrapped_model(loss, ddp)
     share = rank_share(global_batch(0), dist.get_rank())
@@ -313,7 +326,7 @@ def reentrant_checkpointing_error(model_dir: Path) -> str | None:
     from st_ext import losses
 
     model = load_model(model_dir, checkpointing=True, checkpoint_kwargs={"use_reentrant": True})
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = wrap_in_ddp(model, find_unused_parameters=True)
     loss = losses.MultipleNegativesRankingLoss(model)
     use_wrapped_model(loss, ddp)
     try:

@@ -16,6 +16,7 @@ QUICK_RUNS = {
     "cached_matryoshka.py": (["--max-steps", "1", "--batch-size", "16"], "peak memory of one step"),
     "cached_gist_guide.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
     "cross_encoder_checkpointing.py": (["--max-steps", "1"], "activation memory"),
+    "distillation_teacher.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
     "triplet_cross_batch_memory.py": (
         ["--max-steps", "2", "--batch-size", "8", "--memory-size", "32"],
         "identical after loading: True",

@@ -11,9 +11,6 @@ downloaded.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from importlib.metadata import version
@@ -21,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _upstream_source import patch_files, patched_source
+from _upstream_source import collect_check_script, patch_files, patched_source, start_check_script
 from tiny_models import SENTENCES
 
 PACKAGE = "sentence-transformers"
@@ -226,34 +223,6 @@ def main() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def start_checks(pythonpath: Path | None, log_dir: Path) -> subprocess.Popen:
-    """
-    Run this file as a script, importing sentence_transformers from ``pythonpath`` or else the installed one.
-    Output goes to files in ``log_dir``: two runs side by side must not block on full pipes.
-    """
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    log_dir.mkdir(parents=True)
-    with open(log_dir / "stdout", "w") as stdout, open(log_dir / "stderr", "w") as stderr:
-        return subprocess.Popen([sys.executable, __file__], env=env, stdout=stdout, stderr=stderr, cwd=log_dir)
-
-
-def collect(process: subprocess.Popen, log_dir: Path) -> dict:
-    """The observations of a check run; its stderr becomes the failure message if it crashed or hung."""
-    try:
-        process.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    lines = (log_dir / "stdout").read_text().strip().splitlines()
-    if process.returncode != 0 or not lines:
-        stderr = (log_dir / "stderr").read_text()
-        pytest.fail(f"the checks in {log_dir} exited with {process.returncode}:\n{stderr[-4000:]}")
-    return json.loads(lines[-1])
-
-
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> Path:
     """The released sources of the installed version with its patches applied."""
@@ -267,8 +236,8 @@ def runs(patched_tree: Path, tmp_path_factory) -> dict[str, dict]:
     """The observations on the released and on the patched package, both runs side by side."""
     log_root = tmp_path_factory.mktemp("runs")
     sources = {"released": None, "patched": patched_tree}
-    processes = {label: start_checks(source, log_root / label) for label, source in sources.items()}
-    return {label: collect(process, log_root / label) for label, process in processes.items()}
+    processes = {label: start_check_script(__file__, source, log_root / label) for label, source in sources.items()}
+    return {label: collect_check_script(process, log_root / label) for label, process in processes.items()}
 
 
 def result(observed: dict, key: str, step: str):

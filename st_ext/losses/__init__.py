@@ -5,8 +5,10 @@ loss name is here. These differ from upstream:
 
 * :class:`MatryoshkaLoss`: over cached losses, backward one mini-batch at a time, memory independent
   of the number of dimensions, and the wrapped loss is never modified.
-* :class:`CachedGISTEmbedLoss`: the guide can be offloaded, or replaced by :class:`GuideEmbeddings`
-  computed before training.
+* :class:`GISTEmbedLoss`, :class:`CachedGISTEmbedLoss`: the guide can be offloaded, or replaced by
+  :class:`GuideEmbeddings` computed before training.
+* :class:`DistillationLoss`: labels of ``MSELoss``, ``MarginMSELoss`` or ``DistillKLDivLoss`` from a
+  teacher that is live, offloaded between uses, or precomputed (:class:`TeacherLabels`) and released.
 * :class:`AdaptiveLayerLoss`, :class:`Matryoshka2dLoss`: refuse cached losses with an explanation.
 * :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`, :class:`BatchSemiHardTripletLoss`: the
   same values as upstream's without B×B×B tensors; they also accept a memory of reference embeddings.
@@ -21,7 +23,8 @@ _UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startsw
 globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NAMES})
 
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatchMemoryLoss  # noqa: E402
-from st_ext.losses.gist import CachedGISTEmbedLoss, GuideEmbeddings  # noqa: E402
+from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
+from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
 from st_ext.losses.matryoshka import AdaptiveLayerLoss, Matryoshka2dLoss, MatryoshkaLoss  # noqa: E402
 from st_ext.losses.registry import build_loss, known_losses  # noqa: E402
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss  # noqa: E402
@@ -34,9 +37,12 @@ ST_EXT_LOSSES = [
     "CrossBatchMemoryCallback",
     "CrossBatchMemoryLoss",
     "CachedGISTEmbedLoss",
+    "DistillationLoss",
+    "GISTEmbedLoss",
     "GuideEmbeddings",
     "Matryoshka2dLoss",
     "MatryoshkaLoss",
+    "TeacherLabels",
     "build_loss",
     "known_losses",
 ]

@@ -1,9 +1,9 @@
-"""Cached GIST loss whose guide can live off the accelerator, or be replaced by a precomputed table.
+"""GIST losses, cached and not, whose guide can live off the accelerator or be replaced by a precomputed table.
 
 GISTEmbed (https://huggingface.co/papers/2402.16829) drops in-batch negatives that a frozen guide
-model rates as more similar to the anchor than its own positive. With GradCache the guide is only
-needed in the no-grad pass (step 1 in :mod:`st_ext.losses.gradcache`), which gives two ways to free
-its memory during training:
+model rates as more similar to the anchor than its own positive. The guide only runs without grad
+(with GradCache: in step 1 of :mod:`st_ext.losses.gradcache`), which gives two ways to free its
+memory during training:
 
 * ``offload_guide=True``: the guide stays on the CPU and is moved onto the training device only for
   its no-grad pass (it is kept out of the loss's module tree, so ``loss.to(device)`` leaves it there).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -30,9 +29,19 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from st_ext._compat import preprocess, st_modules
 from st_ext import offload
-from st_ext._compat import all_gather_with_grad, get_rank
+from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_modules
+from st_ext.losses.frozen_encoders import (
+    FrozenEncoderHolder,
+    KeyedRows,
+    as_dataset_list,
+    embed_frozen,
+    features_device,
+    frozen_placement,
+    retokenizer_for,
+    select_rows,
+    text_columns,
+)
 from st_ext.losses.gradcache import (
     Features,
     Ranges,
@@ -53,7 +62,9 @@ GIST_CITATION = """
     archivePrefix={arXiv},
     primaryClass={cs.LG}
 }
+"""
 
+GRADCACHE_CITATION = """
 @misc{gao2021scaling,
     title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
     author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
@@ -69,57 +80,6 @@ GIST_CITATION = """
 # The guide's no-grad pass
 
 
-def guide_retokenizer(model: nn.Module, guide: nn.Module) -> PreTrainedTokenizerBase | None:
-    """The model's tokenizer when the guide cannot read the model's token ids, else None.
-
-    The guide reads the model's ids directly when both share a vocabulary and the guide accepts
-    sequences as long as the model's; otherwise each row is decoded and re-tokenized for the guide.
-    """
-    model_tokenizer = getattr(model, "tokenizer", None)
-    guide_tokenizer = getattr(guide, "tokenizer", None)
-    if not isinstance(model_tokenizer, PreTrainedTokenizerBase) or not isinstance(
-        guide_tokenizer, PreTrainedTokenizerBase
-    ):
-        raise ValueError("Both the training model and the guide must use a PreTrainedTokenizer from transformers.")
-    model_length, guide_length = getattr(model, "max_seq_length", None), getattr(guide, "max_seq_length", None)
-    shorter = model_length is not None and guide_length is not None and guide_length < model_length
-    if shorter or model_tokenizer.get_vocab() != guide_tokenizer.get_vocab():
-        return model_tokenizer
-    return None
-
-
-def module_device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
-
-
-def features_device(features: Features) -> torch.device:
-    return next(value.device for value in features.values() if isinstance(value, Tensor))
-
-
-def embed_with_guide(
-    guide: nn.Module, features: Features, retokenize_with: PreTrainedTokenizerBase | None, device: torch.device
-) -> Tensor:
-    """The guide's embeddings of one mini-batch of the model's features, returned on ``device``.
-
-    The guide gets its own copy of the features: modules write their outputs into the dict they are
-    given, and the model's forward pass may reuse it.
-    """
-    guide_device = module_device(guide)
-    if retokenize_with is not None:
-        texts = retokenize_with.batch_decode(features["input_ids"], skip_special_tokens=True)
-        features = preprocess(guide, texts)
-    features = {key: value.to(guide_device) if isinstance(value, Tensor) else value for key, value in features.items()}
-    with torch.no_grad():
-        return guide(features)["sentence_embedding"].to(device)
-
-
-def guide_placement(guide: nn.Module, device: torch.device, offloaded: bool):
-    """Where the guide runs: on ``device`` just for this pass when offloaded, else where it lives."""
-    if not offloaded:
-        return nullcontext()
-    return offload.on_device(guide, device)
-
-
 def guide_pass(
     guide: nn.Module,
     sentence_features: Sequence[Features],
@@ -131,10 +91,10 @@ def guide_pass(
 ) -> Reps:
     """The guide's embeddings of every column, mini-batch by mini-batch, in one visit to the device."""
     device = features_device(sentence_features[0])
-    with guide_placement(guide, device, offloaded):
+    with frozen_placement(guide, device, offloaded):
         return [
             [
-                embed_with_guide(guide, slice_minibatch(features, begin, end), retokenize_with, device)
+                embed_frozen(guide, slice_minibatch(features, begin, end), retokenize_with, device)
                 for begin, end in tqdm(column_ranges, desc="Guide mini-batches", disable=not show_progress_bar)
             ]
             for features, column_ranges in zip(sentence_features, ranges)
@@ -145,41 +105,27 @@ def guide_pass(
 # Precomputed guide embeddings
 
 
-def select_rows(features: Features, rows: list[int]) -> Features:
-    """The given rows of a column's features, trimmed of padding they all share."""
-    index = torch.tensor(rows, dtype=torch.long)
-    picked = {
-        key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim >= 1 else value
-        for key, value in features.items()
-    }
-    return slice_minibatch(picked, 0, len(rows))
-
-
-class GuideEmbeddings:
+class GuideEmbeddings(KeyedRows):
     """Guide embeddings computed once before training, looked up by each row's token ids.
 
     Build it with :meth:`from_dataset` (or :meth:`from_texts`) from the same model and guide the loss
     would use, then pass it as ``CachedGISTEmbedLoss(model, guide=None, guide_embeddings=table)``
-    and drop the guide. The trainer's collator must tokenize the texts as ``model`` does here: the
-    same ``max_seq_length``, and prompts already in the texts if the trainer adds any. A row that is
-    not in the table raises ``KeyError`` (or falls back to the live guide when the loss has one)::
+    (or to ``GISTEmbedLoss``) and drop the guide. The trainer's collator must tokenize the texts as
+    ``model`` does here: the same ``max_seq_length``, and prompts already in the texts if the trainer
+    adds any. A row that is not in the table raises ``KeyError`` (or falls back to the live guide
+    when the loss has one)::
 
         table = GuideEmbeddings.from_dataset(model, guide, [train_dataset, eval_dataset], device="cuda")
         st_ext.offload.release(guide)  # no guide in memory during training
         loss = CachedGISTEmbedLoss(model, guide_embeddings=table, mini_batch_size=64)
     """
 
-    def __init__(self, keys: dict[bytes, int], embeddings: Tensor) -> None:
-        if len(keys) != len(embeddings):
-            raise ValueError(f"{len(keys)} keys for {len(embeddings)} embeddings.")
-        self.keys = keys
-        self.embeddings = embeddings
-
-    def __len__(self) -> int:
-        return len(self.keys)
+    @property
+    def embeddings(self) -> Tensor:
+        return self.values
 
     def __repr__(self) -> str:
-        return f"GuideEmbeddings({len(self)} rows, dim={self.embeddings.shape[-1]})"
+        return f"GuideEmbeddings({len(self)} rows, dim={self.values.shape[-1]})"
 
     @classmethod
     def from_texts(
@@ -196,13 +142,13 @@ class GuideEmbeddings:
 
         ``device``: where the guide runs for this pass (frozen, moved there and back); default: where it is.
         """
-        retokenize_with = guide_retokenizer(model, guide)
+        retokenize_with = retokenizer_for(model, guide)
         texts = list(dict.fromkeys(texts))
         keys: dict[bytes, int] = {}
         chunks: list[Tensor] = []
         if device is not None:
             guide.requires_grad_(False)
-        placement = nullcontext() if device is None else guide_placement(guide, torch.device(device), offloaded=True)
+        placement = nullcontext() if device is None else frozen_placement(guide, torch.device(device), offloaded=True)
         with placement:
             for begin in tqdm(
                 range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
@@ -215,7 +161,7 @@ class GuideEmbeddings:
                         new_rows.append(row)
                 if new_rows:
                     selected = select_rows(features, new_rows)
-                    chunks.append(embed_with_guide(guide, selected, retokenize_with, torch.device("cpu")))
+                    chunks.append(embed_frozen(guide, selected, retokenize_with, torch.device("cpu")))
         embeddings = torch.cat(chunks) if chunks else torch.empty(0, 0)
         return cls(keys, embeddings)
 
@@ -232,12 +178,8 @@ class GuideEmbeddings:
 
         ``columns`` defaults to every string column; label columns are never embedded.
         """
-        if hasattr(datasets, "column_names") and not isinstance(datasets.column_names, dict):
-            datasets = [datasets]
-        elif hasattr(datasets, "values"):
-            datasets = list(datasets.values())
         texts: list[str] = []
-        for dataset in datasets:
+        for dataset in as_dataset_list(datasets):
             for column in columns or text_columns(dataset):
                 texts.extend(dataset[column])
         return cls.from_texts(model, guide, texts, **kwargs)
@@ -281,34 +223,10 @@ class GuideEmbeddings:
 
     def lookup(self, features: Features) -> Tensor | None:
         """The guide embeddings of a column's rows, on the features' device; None if any row is missing."""
-        rows = [self.keys.get(key) for key in row_token_keys(features)]
-        if any(row is None for row in rows):
-            return None
-        return self.embeddings[torch.tensor(rows, dtype=torch.long)].to(features_device(features))
+        return self.rows_for(row_token_keys(features), features_device(features))
 
     def missing(self, features: Features) -> int:
-        return sum(key not in self.keys for key in row_token_keys(features))
-
-    def save(self, path: str | Path) -> None:
-        torch.save({"keys": list(self.keys), "embeddings": self.embeddings}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> GuideEmbeddings:
-        state = torch.load(path, weights_only=True)
-        return cls({key: row for row, key in enumerate(state["keys"])}, state["embeddings"])
-
-
-LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
-
-
-def text_columns(dataset: Any) -> list[str]:
-    """The columns the data collator tokenizes: string-valued ones that are not labels."""
-    features = dataset.features
-    return [
-        name
-        for name in dataset.column_names
-        if name not in LABEL_COLUMNS and getattr(features[name], "dtype", None) in ("string", "large_string")
-    ]
+        return self.count_missing(row_token_keys(features))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,10 +330,97 @@ def gist_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# The loss
+# The losses
 
 
-class CachedGISTEmbedLoss(nn.Module):
+class GuidedLoss(FrozenEncoderHolder, nn.Module):
+    """What both GIST losses share: their options, and where the guide embeddings come from (a
+    precomputed table, an offloaded guide, or a resident one, see :class:`FrozenEncoderHolder`)."""
+
+    encoder_attribute = "guide"
+    offload_attribute = "offload_guide"
+
+    def _set_up(
+        self,
+        model: nn.Module,
+        guide: nn.Module | None,
+        *,
+        temperature: float,
+        margin_strategy: str,
+        margin: float,
+        contrast_anchors: bool,
+        contrast_positives: bool,
+        gather_across_devices: bool,
+        guide_embeddings: GuideEmbeddings | None,
+        offload_guide: bool,
+    ) -> None:
+        _validate_gist_arguments(
+            model, guide, temperature, margin_strategy, guide_embeddings, offload_guide, gather_across_devices
+        )
+        self.model = model
+        self._hold_encoder(guide, offloaded=offload_guide)
+        self.retokenize_with = None if guide is None else retokenizer_for(model, guide)
+        self.guide_embeddings = guide_embeddings
+        self.temperature = temperature
+        self.margin_strategy = margin_strategy
+        self.margin = margin
+        self.contrast_anchors = contrast_anchors
+        self.contrast_positives = contrast_positives
+        self.gather_across_devices = gather_across_devices
+
+    def _gist_options(self) -> dict[str, Any]:
+        """The arguments of :func:`gist_loss` that are the loss's settings."""
+        return {
+            "temperature": self.temperature,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
+            "contrast_anchors": self.contrast_anchors,
+            "contrast_positives": self.contrast_positives,
+            "gather_across_devices": self.gather_across_devices,
+        }
+
+    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
+        """The guide's embeddings: from the table when it holds every row, else from the live guide."""
+        if self.guide_embeddings is not None:
+            looked_up = [self.guide_embeddings.lookup(features) for features in sentence_features]
+            if all(embeddings is not None for embeddings in looked_up):
+                return [[embeddings] for embeddings in looked_up]
+            if self.guide is None:
+                missing = sum(self.guide_embeddings.missing(features) for features in sentence_features)
+                raise KeyError(
+                    f"{missing} row(s) of this batch are not in the precomputed guide embeddings and the loss has "
+                    "no guide to fall back on. Build the table from every dataset the loss sees (training and "
+                    "evaluation) with this model's tokenizer, max_seq_length and prompts."
+                )
+        return guide_pass(
+            self.guide,
+            sentence_features,
+            ranges,
+            self.retokenize_with,
+            offloaded=self.offload_guide,
+            show_progress_bar=self.show_progress_bar,
+        )
+
+    def _check_can_let_go(self, encoder: nn.Module) -> None:
+        _refuse_shared_guide(self.model, encoder)
+
+    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
+        self.guide_embeddings = GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {
+            "guide": self.guide,
+            "guide_embeddings": None if self.guide_embeddings is None else repr(self.guide_embeddings),
+            "offload_guide": self.offload_guide,
+            **self._gist_options(),
+        }
+
+    @property
+    def citation(self) -> str:
+        return GIST_CITATION
+
+
+class CachedGISTEmbedLoss(GuidedLoss):
     """GISTEmbed with GradCache: batch-sized guided in-batch negatives in mini-batch memory.
 
     Same arguments as upstream's ``CachedGISTEmbedLoss`` (every one of 6.x's, on every supported
@@ -453,55 +458,26 @@ class CachedGISTEmbedLoss(nn.Module):
         offload_guide: bool = False,
     ) -> None:
         super().__init__()
-        _validate_gist_arguments(
-            model, guide, temperature, margin_strategy, guide_embeddings, offload_guide, gather_across_devices
-        )
+        _refuse_static_embedding(model)
         validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
-        self.model = model
-        if offload_guide:
-            # Frozen (it only runs without grad; moving a trainable module is refused), and kept outside
-            # the module tree, so the trainer's `loss.to(device)` leaves it on the CPU.
-            guide.requires_grad_(False)
-            object.__setattr__(self, "guide", guide)
-        else:
-            self.guide = guide
-        self.retokenize_with = None if guide is None else guide_retokenizer(model, guide)
-        self.guide_embeddings = guide_embeddings
-        self.offload_guide = offload_guide
-        self.temperature = temperature
+        self._set_up(
+            model,
+            guide,
+            temperature=temperature,
+            margin_strategy=margin_strategy,
+            margin=margin,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            gather_across_devices=gather_across_devices,
+            guide_embeddings=guide_embeddings,
+            offload_guide=offload_guide,
+        )
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
-        self.margin_strategy = margin_strategy
-        self.margin = margin
-        self.contrast_anchors = contrast_anchors
-        self.contrast_positives = contrast_positives
-        self.gather_across_devices = gather_across_devices
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         return gradcache_forward(self, sentence_features, labels)
-
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
-        """The guide's embeddings: from the table when it holds every row, else from the live guide."""
-        if self.guide_embeddings is not None:
-            looked_up = [self.guide_embeddings.lookup(features) for features in sentence_features]
-            if all(embeddings is not None for embeddings in looked_up):
-                return [[embeddings] for embeddings in looked_up]
-            if self.guide is None:
-                missing = sum(self.guide_embeddings.missing(features) for features in sentence_features)
-                raise KeyError(
-                    f"{missing} row(s) of this batch are not in the precomputed guide embeddings and the loss has "
-                    "no guide to fall back on. Build the table from every dataset the loss sees (training and "
-                    "evaluation) with this model's tokenizer, max_seq_length and prompts."
-                )
-        return guide_pass(
-            self.guide,
-            sentence_features,
-            ranges,
-            self.retokenize_with,
-            offloaded=self.offload_guide,
-            show_progress_bar=self.show_progress_bar,
-        )
 
     def loss_from_embeddings(
         self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
@@ -509,35 +485,67 @@ class CachedGISTEmbedLoss(nn.Module):
         return gist_loss(
             reps,
             frozen,
-            temperature=self.temperature,
-            margin_strategy=self.margin_strategy,
-            margin=self.margin,
-            contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives,
+            **self._gist_options(),
             chunk_size=self.mini_batch_size,
             with_backward=with_backward,
-            gather_across_devices=self.gather_across_devices,
             show_progress_bar=self.show_progress_bar,
         )
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
-            "guide": self.guide,
-            "guide_embeddings": None if self.guide_embeddings is None else repr(self.guide_embeddings),
-            "offload_guide": self.offload_guide,
-            "temperature": self.temperature,
+            **super().get_config_dict(),
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "margin_strategy": self.margin_strategy,
-            "margin": self.margin,
-            "contrast_anchors": self.contrast_anchors,
-            "contrast_positives": self.contrast_positives,
-            "gather_across_devices": self.gather_across_devices,
         }
 
     @property
     def citation(self) -> str:
-        return GIST_CITATION
+        return GIST_CITATION + GRADCACHE_CITATION
+
+
+class GISTEmbedLoss(GuidedLoss):
+    """GISTEmbed without gradient caching, whose guide can be offloaded or replaced by a precomputed table.
+
+    Same arguments as upstream's ``GISTEmbedLoss`` (6.x's, on every supported version), plus
+    ``guide_embeddings`` and ``offload_guide`` as in :class:`CachedGISTEmbedLoss`. Any number of
+    negative columns, and 6.x's relative margin, on every version.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        guide: nn.Module | None = None,
+        temperature: float = 0.01,
+        margin_strategy: Literal["absolute", "relative"] = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+        *,
+        guide_embeddings: GuideEmbeddings | None = None,
+        offload_guide: bool = False,
+    ) -> None:
+        super().__init__()
+        self._set_up(
+            model,
+            guide,
+            temperature=temperature,
+            margin_strategy=margin_strategy,
+            margin=margin,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            gather_across_devices=gather_across_devices,
+            guide_embeddings=guide_embeddings,
+            offload_guide=offload_guide,
+        )
+        self.show_progress_bar = False
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        reps = [[self.model(dict(features))["sentence_embedding"]] for features in sentence_features]
+        whole_batch = [[(0, len(column[0]))] for column in reps]
+        guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
+        return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
 
 
 def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
@@ -554,24 +562,33 @@ def _validate_gist_arguments(
     gather_across_devices: bool,
 ) -> None:
     """Reject what would otherwise fail, or silently misbehave, at the first batch."""
-    static_embedding = getattr(st_modules(), "StaticEmbedding", None)
-    if static_embedding is not None and len(model) and isinstance(model[0], static_embedding):
-        raise ValueError(
-            "CachedGISTEmbedLoss cannot split a StaticEmbedding model's inputs into mini-batches; use GISTEmbedLoss."
-        )
     if guide is None and guide_embeddings is None:
-        raise ValueError("CachedGISTEmbedLoss needs a guide model, or precomputed guide_embeddings with guide=None.")
+        raise ValueError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
     if guide_embeddings is not None and not isinstance(guide_embeddings, GuideEmbeddings):
         raise TypeError(f"guide_embeddings must be a GuideEmbeddings table, got {type(guide_embeddings).__name__}.")
     if offload_guide and guide is None:
         raise ValueError("offload_guide=True needs a guide to offload.")
-    if offload_guide and shares_parameters(model, guide):
-        raise ValueError(
-            "offload_guide=True would freeze and move the model being trained: the guide shares its parameters."
-        )
+    if offload_guide:
+        _refuse_shared_guide(model, guide)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}.")
     if margin_strategy not in ("absolute", "relative"):
         raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}.")
     if gather_across_devices and all_gather_with_grad() is None:
         raise ValueError("gather_across_devices needs sentence-transformers' all_gather_with_grad (5.x or newer).")
+
+
+def _refuse_shared_guide(model: nn.Module, guide: nn.Module) -> None:
+    if shares_parameters(model, guide):
+        raise ValueError(
+            "Offloading or releasing this guide would freeze and move the model being trained: the guide shares "
+            "its parameters. Use a separate guide model."
+        )
+
+
+def _refuse_static_embedding(model: nn.Module) -> None:
+    static_embedding = getattr(st_modules(), "StaticEmbedding", None)
+    if static_embedding is not None and len(model) and isinstance(model[0], static_embedding):
+        raise ValueError(
+            "CachedGISTEmbedLoss cannot split a StaticEmbedding model's inputs into mini-batches; use GISTEmbedLoss."
+        )

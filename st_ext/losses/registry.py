@@ -13,7 +13,7 @@ from torch import nn
 
 from st_ext._compat import embedding_dimension, st_losses
 from st_ext.losses.cross_batch_memory import with_memory
-from st_ext.losses.gist import CachedGISTEmbedLoss
+from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss
 from st_ext.losses.matryoshka import MatryoshkaLoss
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss
 
@@ -41,7 +41,7 @@ BASE_LOSSES: dict[str, LossSpec] = {
     "cached_mnrl": LossSpec(_upstream("CachedMultipleNegativesRankingLoss"), cached=True),
     "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss")),
     "cached_mnsrl": LossSpec(_upstream("CachedMultipleNegativesSymmetricRankingLoss"), cached=True),
-    "gist": LossSpec(_upstream("GISTEmbedLoss"), guided=True),
+    "gist": LossSpec(GISTEmbedLoss, guided=True),
     "cached_gist": LossSpec(CachedGISTEmbedLoss, cached=True, guided=True),
     "cosent": LossSpec(_upstream("CoSENTLoss")),
     "angle": LossSpec(_upstream("AnglELoss")),
@@ -85,8 +85,8 @@ def build_loss(
 ) -> nn.Module:
     """The loss called ``name`` (see :func:`known_losses`) for ``model``.
 
-    ``mini_batch_size`` applies to cached losses only; ``guide`` to GIST losses (``cached_gist`` also
-    takes ``guide_embeddings=`` and ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose
+    ``mini_batch_size`` applies to cached losses only; ``guide`` to GIST losses (which also
+    take ``guide_embeddings=`` and ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose
     dimensions default to the model's and its halvings down to 32. Other keywords go to the base loss.
     """
     matryoshka = name.startswith(MATRYOSHKA_PREFIX)
@@ -100,7 +100,7 @@ def build_loss(
         raise ValueError(f"matryoshka_dims/weights given for {name!r}; use {MATRYOSHKA_PREFIX + name!r}.")
     if spec.guided:
         if guide is None and kwargs.get("guide_embeddings") is None:
-            raise ValueError(f"Loss {name!r} needs a guide model (or, for 'cached_gist', guide_embeddings).")
+            raise ValueError(f"Loss {name!r} needs a guide model (or guide_embeddings).")
         kwargs["guide"] = guide
     elif guide is not None:
         raise ValueError(f"Loss {name!r} takes no guide model; the GIST losses do ('gist', 'cached_gist').")

@@ -1,0 +1,374 @@
+"""Distillation whose labels come from a teacher: live, offloaded between uses, or precomputed and released.
+
+Upstream's ``MSELoss``, ``MarginMSELoss`` and ``DistillKLDivLoss`` read the teacher's outputs from
+the dataset's label column, which the user fills beforehand while the teacher sits in memory.
+Here the same losses get their labels from the teacher in one of three ways:
+
+* :class:`DistillationLoss` with a resident teacher: labels computed per batch, on the batch's rows.
+* ``offload_teacher=True``: the teacher stays on the CPU and visits the training device only for
+  its no-grad pass.
+* :class:`TeacherLabels` (or the trainers' ``frozen_encoders="precompute"``): every row's labels
+  computed once, looked up by the rows' token ids during training, and the teacher released.
+  :func:`precompute_teacher_labels` instead writes them into a label column for upstream's losses.
+
+Labels follow upstream's documented recipes: ``MSELoss`` gets the teacher's embedding of the first
+column; ``MarginMSELoss`` the teacher's ``score(query, positive) - score(query, negative_i)``
+(one column per negative, or a vector with one negative); ``DistillKLDivLoss`` the scores of every
+candidate column. A bi-encoder teacher scores with its own ``similarity_pairwise``; a
+``CrossEncoder`` teacher with ``predict`` on (query, candidate) pairs.
+
+A teacher that reads the model's token ids (same vocabulary, no shorter limit) sees exactly the
+dataset's texts; otherwise, and always for a ``CrossEncoder``, it sees each row decoded from the
+model's token ids (as upstream's GIST guide does), which may differ from the raw text in case or
+spacing. :class:`TeacherLabels` is computed the same way, so it always equals the live teacher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from st_ext import offload
+from st_ext._compat import preprocess, st_losses
+from st_ext.losses.frozen_encoders import (
+    FrozenEncoderHolder,
+    KeyedRows,
+    as_dataset_list,
+    combined_row_keys,
+    decoded_texts,
+    embed_frozen,
+    features_device,
+    frozen_placement,
+    retokenizer_for,
+    text_columns,
+)
+from st_ext.losses.gradcache import Features
+
+#: What each supported loss reads as labels.
+EMBEDDINGS, MARGINS, SCORES = "embeddings", "margins", "scores"
+_LABEL_KIND_BY_LOSS = {"MSELoss": EMBEDDINGS, "MarginMSELoss": MARGINS, "DistillKLDivLoss": SCORES}
+
+
+def label_kind(loss: nn.Module) -> str:
+    """Which teacher output ``loss`` reads: ``"embeddings"``, ``"margins"`` or ``"scores"``."""
+    upstream = st_losses()
+    for name, kind in _LABEL_KIND_BY_LOSS.items():
+        if hasattr(upstream, name) and isinstance(loss, getattr(upstream, name)):
+            return kind
+    supported = ", ".join(name for name in _LABEL_KIND_BY_LOSS if hasattr(upstream, name))
+    raise TypeError(f"DistillationLoss supports {supported}; got {type(loss).__name__}.")
+
+
+def is_cross_encoder(teacher: Any) -> bool:
+    from sentence_transformers import CrossEncoder
+
+    return isinstance(teacher, CrossEncoder)
+
+
+def labels_from_scores(kind: str, scores: Tensor) -> Tensor:
+    """``scores[:, i]`` = teacher score of (query, candidate i) → the labels ``kind`` wants."""
+    if kind == SCORES:
+        return scores
+    margins = scores[:, :1] - scores[:, 1:]
+    return margins.squeeze(1) if margins.shape[1] == 1 else margins
+
+
+def cross_encoder_scores(teacher: nn.Module, columns: Sequence[Sequence[str]]) -> Tensor:
+    """``(rows, candidates)`` scores of a CrossEncoder teacher on (column 0, column i) pairs."""
+    queries = columns[0]
+    scores = [
+        torch.as_tensor(
+            teacher.predict(
+                list(zip(queries, candidates)),
+                batch_size=max(len(queries), 1),
+                convert_to_tensor=True,
+                show_progress_bar=False,
+            )
+        ).reshape(len(queries), -1)[:, 0]
+        for candidates in columns[1:]
+    ]
+    return torch.stack(scores, dim=1).float()
+
+
+def teacher_labels_from_features(
+    teacher: nn.Module,
+    kind: str,
+    sentence_features: Sequence[Features],
+    retokenize_with,
+    model_tokenizer,
+) -> Tensor:
+    """The teacher's labels of one batch of the model's features, on the features' device."""
+    device = features_device(sentence_features[0])
+    with torch.no_grad():
+        if is_cross_encoder(teacher):
+            texts = [decoded_texts(features, model_tokenizer) for features in sentence_features]
+            return labels_from_scores(kind, cross_encoder_scores(teacher, texts)).to(device)
+        needed = sentence_features[:1] if kind == EMBEDDINGS else sentence_features
+        embeddings = [embed_frozen(teacher, features, retokenize_with, device) for features in needed]
+        if kind == EMBEDDINGS:
+            return embeddings[0]
+        scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
+        return labels_from_scores(kind, scores.to(device))
+
+
+def _check_columns(kind: str, num_columns: int) -> None:
+    if kind != EMBEDDINGS and num_columns < 2:
+        raise ValueError(
+            f"Teacher {kind} need (query, candidate_1, ...) columns; this batch has {num_columns} text column(s)."
+        )
+
+
+class TeacherLabels(KeyedRows):
+    """A teacher's labels for every row of some datasets, computed once and looked up by the rows' token ids.
+
+    ::
+
+        table = TeacherLabels.from_dataset(model, teacher, inner_loss, [train_dataset, eval_dataset], device="cuda")
+        st_ext.offload.release(teacher)
+        loss = DistillationLoss(inner_loss, teacher_labels=table)
+    """
+
+    def __repr__(self) -> str:
+        return f"TeacherLabels({len(self)} rows, shape={tuple(self.values.shape[1:])})"
+
+    @classmethod
+    def from_dataset(
+        cls,
+        model: nn.Module,
+        teacher: nn.Module,
+        loss: nn.Module,
+        datasets: Any,
+        *,
+        batch_size: int = 32,
+        device: str | torch.device | None = None,
+        show_progress_bar: bool = True,
+    ) -> TeacherLabels:
+        """Label every row of one or more datasets (a ``Dataset``, ``DatasetDict`` or list) as the live loss would.
+
+        The text columns are taken in order, as the data collator takes them. ``device``: where the
+        teacher runs for this pass (frozen, moved there and back); default: where it is.
+        """
+        kind = label_kind(loss)
+        retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
+        keys: dict[bytes, int] = {}
+        chunks: list[Tensor] = []
+        if device is not None:
+            teacher.requires_grad_(False)
+        placement = nullcontext() if device is None else frozen_placement(teacher, torch.device(device), True)
+        run_device = torch.device(device) if device is not None else _module_device(teacher)
+        datasets = as_dataset_list(datasets)
+        with placement, tqdm(
+            total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
+        ) as progress:
+            for dataset in datasets:
+                columns = text_columns(dataset)
+                _check_columns(kind, len(columns))
+                for begin in range(0, len(dataset), batch_size):
+                    batch = dataset[begin : begin + batch_size]
+                    features = [_to(preprocess(model, batch[column]), run_device) for column in columns]
+                    new_rows = []
+                    for row, key in enumerate(combined_row_keys(features)):
+                        if key not in keys:
+                            keys[key] = len(keys)
+                            new_rows.append(row)
+                    if new_rows:
+                        labels = teacher_labels_from_features(teacher, kind, features, retokenize_with, model.tokenizer)
+                        chunks.append(labels.cpu()[new_rows])
+                    progress.update(len(batch[columns[0]]))
+        return cls(keys, torch.cat(chunks) if chunks else torch.empty(0))
+
+    def lookup(self, sentence_features: Sequence[Features]) -> Tensor | None:
+        """The labels of a batch's rows, on the features' device; None if any row is missing."""
+        return self.rows_for(combined_row_keys(sentence_features), features_device(sentence_features[0]))
+
+    def missing(self, sentence_features: Sequence[Features]) -> int:
+        return self.count_missing(combined_row_keys(sentence_features))
+
+
+def _to(features: Features, device: torch.device) -> Features:
+    return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in features.items()}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class DistillationLoss(FrozenEncoderHolder, nn.Module):
+    """``MSELoss``, ``MarginMSELoss`` or ``DistillKLDivLoss`` with its labels from a teacher, not the dataset.
+
+    Args:
+        loss: the upstream distillation loss (its model is the student).
+        teacher: a frozen ``SentenceTransformer`` (any of the three losses) or ``CrossEncoder``
+            (``MarginMSELoss``, ``DistillKLDivLoss``). It is frozen here (``requires_grad_(False)``, ``eval()``).
+        teacher_labels: a :class:`TeacherLabels` table computed before training. With
+            ``teacher=None`` no teacher is held during training; with a teacher too, rows that are
+            not in the table (e.g. evaluation) use the live teacher.
+        offload_teacher: keep the teacher on the CPU and move it onto the training device only for
+            its no-grad pass in each step.
+
+    The dataset must have no label column: the labels come from the teacher.
+    """
+
+    encoder_attribute = "teacher"
+    offload_attribute = "offload_teacher"
+
+    def __init__(
+        self,
+        loss: nn.Module,
+        teacher: nn.Module | None = None,
+        *,
+        teacher_labels: TeacherLabels | None = None,
+        offload_teacher: bool = False,
+    ) -> None:
+        super().__init__()
+        self.kind = label_kind(loss)
+        _validate_teacher(loss, teacher, teacher_labels, offload_teacher, self.kind)
+        self.loss = loss
+        if teacher is not None:
+            teacher.requires_grad_(False).eval()
+        self._hold_encoder(teacher, offloaded=offload_teacher)
+        self.teacher_labels = teacher_labels
+        self.model_tokenizer = getattr(loss.model, "tokenizer", None)
+        reads_ids = teacher is not None and not is_cross_encoder(teacher)
+        self.retokenize_with = retokenizer_for(loss.model, teacher) if reads_ids else None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.loss.model
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        if labels is not None:
+            raise ValueError(
+                "This batch has labels from the dataset, but DistillationLoss computes them with its teacher. "
+                "Remove the label column (dataset.remove_columns('label')), or use the bare "
+                f"{type(self.loss).__name__} to train on the dataset's labels."
+            )
+        _check_columns(self.kind, len(sentence_features))
+        return self.loss(sentence_features, self.teacher_outputs(sentence_features))
+
+    def teacher_outputs(self, sentence_features: list[Features]) -> Tensor:
+        """The batch's labels: from the table when it holds every row, else from the live teacher."""
+        if self.teacher_labels is not None:
+            looked_up = self.teacher_labels.lookup(sentence_features)
+            if looked_up is not None:
+                return looked_up
+            if self.teacher is None:
+                raise KeyError(
+                    f"{self.teacher_labels.missing(sentence_features)} row(s) of this batch are not in the "
+                    "precomputed teacher labels and the loss has no teacher to fall back on. Build the table from "
+                    "every dataset the loss sees (training and evaluation) with this model's tokenizer, "
+                    "max_seq_length and prompts."
+                )
+        device = features_device(sentence_features[0])
+        with frozen_placement(self.teacher, device, self.offload_teacher):
+            return teacher_labels_from_features(
+                self.teacher, self.kind, sentence_features, self.retokenize_with, self.model_tokenizer
+            )
+
+    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
+        self.teacher_labels = TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        config = self.loss.get_config_dict() if hasattr(self.loss, "get_config_dict") else {}
+        return {
+            "loss": type(self.loss).__name__,
+            **config,
+            "teacher": self.teacher,
+            "teacher_labels": None if self.teacher_labels is None else repr(self.teacher_labels),
+            "offload_teacher": self.offload_teacher,
+        }
+
+    @property
+    def citation(self) -> str | None:
+        return getattr(self.loss, "citation", None)
+
+
+def _validate_teacher(loss, teacher, teacher_labels, offload_teacher, kind) -> None:
+    """Reject what would otherwise fail, or silently misbehave, at the first batch."""
+    if teacher is None and teacher_labels is None:
+        raise ValueError("DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None.")
+    if teacher_labels is not None and not isinstance(teacher_labels, TeacherLabels):
+        raise TypeError(f"teacher_labels must be a TeacherLabels table, got {type(teacher_labels).__name__}.")
+    if offload_teacher and teacher is None:
+        raise ValueError("offload_teacher=True needs a teacher to offload.")
+    if teacher is None:
+        return
+    if not {id(p) for p in loss.model.parameters()}.isdisjoint(id(p) for p in teacher.parameters()):
+        raise ValueError("The teacher shares parameters with the student being trained; use a separate teacher model.")
+    if is_cross_encoder(teacher) and kind == EMBEDDINGS:
+        raise TypeError(f"{type(loss).__name__} learns the teacher's embeddings; a CrossEncoder teacher has none.")
+    if not is_cross_encoder(teacher) and not callable(getattr(teacher, "similarity_pairwise", None)):
+        raise TypeError(
+            f"The teacher must be a SentenceTransformer or a CrossEncoder, got {type(teacher).__name__}."
+        )
+
+
+def precompute_teacher_labels(
+    teacher: nn.Module,
+    dataset: Any,
+    loss: nn.Module,
+    *,
+    columns: Sequence[str] | None = None,
+    label_column: str = "label",
+    batch_size: int = 32,
+    device: str | torch.device | None = None,
+    release_teacher: bool = False,
+    holders: Iterable[Any] = (),
+    show_progress_bar: bool = True,
+    overwrite: bool = False,
+) -> Any:
+    """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``, computed from the raw texts.
+
+    The upstream way to distil: train on the result with the bare ``loss``. ``columns`` defaults to
+    the text columns in order (query first). With ``release_teacher=True`` the teacher is released
+    afterwards (:func:`st_ext.offload.release` with ``holders``); with ``device`` it is moved there
+    only for the computation. The input dataset is not changed.
+    """
+    kind = label_kind(loss)
+    columns = list(columns) if columns is not None else text_columns(dataset)
+    _check_columns(kind, len(columns))
+    missing = [column for column in columns if column not in dataset.column_names]
+    if missing:
+        raise ValueError(f"Columns {missing} are not in the dataset (it has {dataset.column_names}).")
+    if label_column in dataset.column_names and not overwrite:
+        raise ValueError(f"The dataset already has a {label_column!r} column; pass overwrite=True to replace it.")
+    if kind == EMBEDDINGS and is_cross_encoder(teacher):
+        raise TypeError(f"{type(loss).__name__} learns the teacher's embeddings; a CrossEncoder teacher has none.")
+    if release_teacher:
+        offload.refuse_if_trainable(teacher, action="release")
+    placement = nullcontext() if device is None else offload.on_device(teacher, device)
+    chunks = []
+    with placement, torch.no_grad(), tqdm(
+        total=len(dataset), desc="Teacher labels", disable=not show_progress_bar
+    ) as progress:
+        for begin in range(0, len(dataset), batch_size):
+            batch = dataset[begin : begin + batch_size]
+            texts = [batch[column] for column in (columns[:1] if kind == EMBEDDINGS else columns)]
+            chunks.append(_labels_from_texts(teacher, kind, texts, batch_size).cpu())
+            progress.update(len(texts[0]))
+    labels = torch.cat(chunks) if chunks else torch.empty(0)
+    if label_column in dataset.column_names:
+        dataset = dataset.remove_columns(label_column)
+    dataset = dataset.add_column(label_column, labels.tolist())
+    if release_teacher:
+        offload.release(teacher, holders=holders)
+    return dataset
+
+
+def _labels_from_texts(teacher: nn.Module, kind: str, texts: list[list[str]], batch_size: int) -> Tensor:
+    if is_cross_encoder(teacher):
+        return labels_from_scores(kind, cross_encoder_scores(teacher, texts))
+    embeddings = [
+        teacher.encode(column, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
+        for column in texts
+    ]
+    if kind == EMBEDDINGS:
+        return embeddings[0]
+    scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
+    return labels_from_scores(kind, scores)

@@ -1,0 +1,226 @@
+"""What the losses with a frozen encoder share: running it on the model's token ids, and tables of its outputs.
+
+A GIST guide and a distillation teacher are frozen: they run without grad, on the batch the
+model was given. A loss sees token ids, not texts, so the encoder either reads the model's ids
+directly (same vocabulary, no shorter limit) or gets each row decoded and re-tokenized. Its
+outputs can also be computed before training and looked up by each row's token ids
+(:class:`KeyedRows`), which equals the live encoder exactly and needs no change to the dataset
+or the data collator.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from st_ext import offload
+from st_ext._compat import preprocess
+from st_ext.losses.gradcache import Features, row_token_keys, slice_minibatch
+
+LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
+
+
+def retokenizer_for(model: nn.Module, encoder: nn.Module) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer when ``encoder`` cannot read the model's token ids, else None.
+
+    The encoder reads the model's ids directly when both share a vocabulary and it accepts
+    sequences as long as the model's; otherwise each row is decoded and re-tokenized for it.
+    """
+    model_tokenizer = getattr(model, "tokenizer", None)
+    encoder_tokenizer = getattr(encoder, "tokenizer", None)
+    if not isinstance(model_tokenizer, PreTrainedTokenizerBase) or not isinstance(
+        encoder_tokenizer, PreTrainedTokenizerBase
+    ):
+        raise ValueError(
+            "Both the training model and the frozen encoder (guide, teacher) must use a PreTrainedTokenizer "
+            "from transformers."
+        )
+    model_length, encoder_length = getattr(model, "max_seq_length", None), getattr(encoder, "max_seq_length", None)
+    shorter = model_length is not None and encoder_length is not None and encoder_length < model_length
+    if shorter or model_tokenizer.get_vocab() != encoder_tokenizer.get_vocab():
+        return model_tokenizer
+    return None
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def features_device(features: Features) -> torch.device:
+    return next(value.device for value in features.values() if isinstance(value, Tensor))
+
+
+def decoded_texts(features: Features, tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The texts of a column's rows, as ``tokenizer`` decodes their ids (special tokens dropped)."""
+    return tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+
+
+def embed_frozen(
+    encoder: nn.Module, features: Features, retokenize_with: PreTrainedTokenizerBase | None, device: torch.device
+) -> Tensor:
+    """``encoder``'s embeddings of one batch of the model's features, returned on ``device``.
+
+    The encoder gets its own copy of the features: modules write their outputs into the dict they
+    are given, and the model's forward pass may reuse it.
+    """
+    encoder_device = module_device(encoder)
+    if retokenize_with is not None:
+        features = preprocess(encoder, decoded_texts(features, retokenize_with))
+    features = {
+        key: value.to(encoder_device) if isinstance(value, Tensor) else value for key, value in features.items()
+    }
+    with torch.no_grad():
+        return encoder(features)["sentence_embedding"].to(device)
+
+
+def frozen_placement(encoder: nn.Module, device: torch.device, offloaded: bool):
+    """Where a frozen encoder runs: on ``device`` just for this pass when offloaded, else where it lives."""
+    if not offloaded:
+        return nullcontext()
+    return offload.on_device(encoder, device)
+
+
+def hold_outside_module_tree(owner: nn.Module, name: str, encoder: nn.Module) -> None:
+    """Set ``owner.name = encoder`` without registering it as a submodule.
+
+    The trainer's ``loss.to(model.device)`` then leaves an offloaded encoder where it is, and its
+    weights are not part of the loss's ``state_dict``. The encoder is frozen: it only runs without grad.
+    """
+    owner._modules.pop(name, None)
+    encoder.requires_grad_(False)
+    object.__setattr__(owner, name, encoder)
+
+
+def select_rows(features: Features, rows: list[int]) -> Features:
+    """The given rows of a column's features, trimmed of padding they all share."""
+    index = torch.tensor(rows, dtype=torch.long)
+    picked = {
+        key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim >= 1 else value
+        for key, value in features.items()
+    }
+    return slice_minibatch(picked, 0, len(rows))
+
+
+def text_columns(dataset: Any) -> list[str]:
+    """The columns the data collator tokenizes: string-valued ones that are not labels, in order."""
+    features = dataset.features
+    return [
+        name
+        for name in dataset.column_names
+        if name not in LABEL_COLUMNS and getattr(features[name], "dtype", None) in ("string", "large_string")
+    ]
+
+
+def as_dataset_list(datasets: Any) -> list[Any]:
+    """A ``Dataset``, a ``DatasetDict``/dict of datasets, or a list of any of these, as a flat list of datasets."""
+    if datasets is None:
+        return []
+    if hasattr(datasets, "column_names") and not isinstance(datasets.column_names, dict):
+        return [datasets]
+    items = datasets.values() if hasattr(datasets, "values") else datasets
+    return [dataset for item in items for dataset in as_dataset_list(item)]
+
+
+def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:
+    """One key per row over every column: the rows' token ids, each column's length-prefixed."""
+    per_column = [row_token_keys(features) for features in sentence_features]
+    return [b"".join(len(key).to_bytes(4, "little") + key for key in row) for row in zip(*per_column)]
+
+
+class KeyedRows:
+    """Rows of a frozen encoder's output computed before training, looked up by token-id keys."""
+
+    def __init__(self, keys: dict[bytes, int], values: Tensor) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} rows.")
+        self.keys = keys
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def rows_for(self, keys: Sequence[bytes], device: torch.device) -> Tensor | None:
+        """The rows of ``keys`` on ``device``; None if any key is missing."""
+        rows = [self.keys.get(key) for key in keys]
+        if any(row is None for row in rows):
+            return None
+        return self.values[torch.tensor(rows, dtype=torch.long)].to(device)
+
+    def count_missing(self, keys: Sequence[bytes]) -> int:
+        return sum(key not in self.keys for key in keys)
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"keys": list(self.keys), "values": self.values}, path)
+
+    @classmethod
+    def load(cls, path: str | Path):
+        state = torch.load(path, weights_only=True)
+        values = state["values"] if "values" in state else state["embeddings"]
+        return cls({key: row for row, key in enumerate(state["keys"])}, values)
+
+
+class FrozenEncoderHolder:
+    """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, or a table instead.
+
+    Provides what the trainers' ``frozen_encoders`` option calls (:mod:`st_ext.frozen_encoder_option`):
+    :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`. A subclass names its
+    attributes and builds its table in :meth:`_precompute_table`.
+    """
+
+    #: The attribute holding the encoder, and the one saying whether it is offloaded.
+    encoder_attribute: ClassVar[str]
+    offload_attribute: ClassVar[str]
+
+    def _hold_encoder(self, encoder: nn.Module | None, offloaded: bool) -> None:
+        """Hold ``encoder``: as a submodule (resident, moved with the loss) or outside the module tree."""
+        if offloaded:
+            hold_outside_module_tree(self, self.encoder_attribute, encoder)
+        else:
+            setattr(self, self.encoder_attribute, encoder)
+        setattr(self, self.offload_attribute, offloaded)
+
+    def _check_can_let_go(self, encoder: nn.Module) -> None:
+        """Raise if ``encoder`` may not be frozen, moved or released (e.g. it shares the model's weights)."""
+
+    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def offload_frozen_encoder(self) -> None:
+        """From now on keep the encoder on the CPU and bring it onto the model's device only for its pass."""
+        encoder = getattr(self, self.encoder_attribute)
+        if encoder is None or getattr(self, self.offload_attribute):
+            return
+        self._check_can_let_go(encoder)
+        self._hold_encoder(encoder, offloaded=True)
+        offload.offload(encoder)
+
+    def precompute_frozen_encoder(
+        self,
+        datasets: Any,
+        *,
+        device: str | torch.device | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool = True,
+    ) -> nn.Module | None:
+        """Compute the encoder's outputs for every row of ``datasets`` into a table and let go of the encoder.
+
+        Returns the encoder (None when there was none left) for the caller to release with
+        :func:`st_ext.offload.release`, once, after every loss that shares it has precomputed.
+        """
+        encoder = getattr(self, self.encoder_attribute)
+        if encoder is None:
+            return None
+        self._check_can_let_go(encoder)
+        self._precompute_table(
+            encoder, datasets, device=device, batch_size=batch_size, show_progress_bar=show_progress_bar
+        )
+        self._modules.pop(self.encoder_attribute, None)
+        self.__dict__.pop(self.encoder_attribute, None)
+        self._hold_encoder(None, offloaded=False)
+        self.retokenize_with = None
+        return encoder

@@ -1,0 +1,356 @@
+"""Frozen encoders in training: the non-cached GIST guide and distillation teachers, live, offloaded or
+precomputed and released, and the trainer's ``frozen_encoders`` option. Every mode trains identically."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from datasets import Dataset
+
+import st_ext
+import st_ext.offload
+from st_ext import losses
+from st_ext._compat import ST_VERSION, st_losses
+from st_ext.losses.distillation import precompute_teacher_labels
+from loss_checks import (
+    assert_losses_agree,
+    assert_same_grads,
+    features_of,
+    guide_from,
+    loss_and_grads,
+    pair_dataset,
+    text_columns,
+)
+from tiny_models import cross_encoder_from, sentence_transformer_from
+
+upstream = st_losses()
+BATCH = 8
+DIMS = [32, 16, 8]
+HAS_KL = hasattr(upstream, "DistillKLDivLoss")
+MANY_NEGATIVE_MARGINS = ST_VERSION.major >= 5  # 4.x's MarginMSELoss takes exactly one negative
+
+
+@pytest.fixture
+def model(tiny_bert_dir):
+    return sentence_transformer_from(tiny_bert_dir)
+
+
+@pytest.fixture
+def guide(guide_dir):
+    return guide_from(guide_dir)
+
+
+def teacher_from(path, max_seq_length: int | None = None):
+    teacher = sentence_transformer_from(path).eval()
+    if max_seq_length is not None:
+        teacher.max_seq_length = max_seq_length
+    return teacher
+
+
+# --------------------------------------------------------------------------------------------
+# Non-cached GIST
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "dropout"])
+@pytest.mark.parametrize("num_columns", [2, 3], ids=["pairs", "hard-negative"])
+def test_gist_matches_upstream(model, guide, train, num_columns):
+    columns = text_columns(BATCH, num_columns)
+    ours, reference = losses.GISTEmbedLoss(model, guide), upstream.GISTEmbedLoss(model, guide)
+    assert_losses_agree(model, ours, reference, columns, train=train)
+
+
+def test_matryoshka_gist_matches_upstream(model, guide):
+    columns = text_columns(BATCH, 2)
+    ours = losses.MatryoshkaLoss(model, losses.GISTEmbedLoss(model, guide), DIMS, [1.0, 0.5, 0.25])
+    reference = upstream.MatryoshkaLoss(model, upstream.GISTEmbedLoss(model, guide), DIMS, [1.0, 0.5, 0.25])
+    assert_losses_agree(model, ours, reference, columns, train=False)
+
+
+def test_gist_guide_modes_give_the_same_gradients(model, guide, guide_dir):
+    columns = text_columns(BATCH, 3)
+    resident = loss_and_grads(model, losses.GISTEmbedLoss(model, guide), columns, train=True)
+
+    offloaded_guide = guide_from(guide_dir)
+    offloaded = losses.GISTEmbedLoss(model, offloaded_guide, offload_guide=True)
+    assert all(module is not offloaded_guide for module in offloaded.modules())
+    assert not any(key.startswith("guide") for key in offloaded.state_dict())
+    assert_same_grads(loss_and_grads(model, offloaded, columns, train=True), resident)
+
+    table = losses.GuideEmbeddings.from_texts(model, guide, sum(columns, []), show_progress_bar=False)
+    precomputed = losses.GISTEmbedLoss(model, guide_embeddings=table)
+    assert_same_grads(loss_and_grads(model, precomputed, columns, train=True), resident)
+
+
+def test_gist_offloaded_guide_runs_inside_on_device(model, guide, monkeypatch):
+    placed = []
+    real_on_device = st_ext.offload.on_device
+
+    def recording_on_device(module, device, **kwargs):
+        placed.append((module, torch.device(device)))
+        return real_on_device(module, device, **kwargs)
+
+    monkeypatch.setattr(st_ext.offload, "on_device", recording_on_device)
+    loss = losses.GISTEmbedLoss(model, guide, offload_guide=True)
+    loss(features_of(model, text_columns(BATCH, 2)), None)
+    assert placed == [(guide, torch.device("cpu"))]
+
+
+def test_gist_without_guide_or_table_is_refused(model):
+    with pytest.raises(ValueError, match="needs a guide model, or precomputed guide_embeddings"):
+        losses.GISTEmbedLoss(model)
+    with pytest.raises(ValueError, match="shares its parameters"):
+        losses.GISTEmbedLoss(model, model, offload_guide=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Distillation: labels from a teacher
+
+
+def upstream_recipe_labels(teacher, kind: str, columns) -> torch.Tensor:
+    """Labels as upstream's docstrings compute them: ``teacher.encode`` then ``similarity_pairwise``."""
+    embeddings = [
+        teacher.encode(column, convert_to_tensor=True, show_progress_bar=False).clone() for column in columns
+    ]
+    if kind == "embeddings":
+        return embeddings[0]
+    scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
+    if kind == "scores":
+        return scores
+    margins = scores[:, :1] - scores[:, 1:]
+    return margins.squeeze(1) if margins.shape[1] == 1 else margins
+
+
+DISTILLATION_CASES = [
+    pytest.param("MSELoss", "embeddings", 2, id="mse"),
+    pytest.param("MarginMSELoss", "margins", 3, id="margin-mse"),
+    pytest.param(
+        "MarginMSELoss", "margins", 4, id="margin-mse-2-negatives",
+        marks=pytest.mark.skipif(not MANY_NEGATIVE_MARGINS, reason="4.x's MarginMSELoss takes one negative"),
+    ),
+    pytest.param(
+        "DistillKLDivLoss", "scores", 3, id="kl-div",
+        marks=pytest.mark.skipif(not HAS_KL, reason="no DistillKLDivLoss in this sentence-transformers"),
+    ),
+]
+
+
+def with_labels(loss, labels):
+    """``loss`` fed fixed labels, called like a loss that computes its own."""
+    return lambda features, _labels: loss(features, labels)
+
+
+@pytest.mark.parametrize("teacher_length", [None, 12], ids=["reads-model-ids", "retokenizes"])
+@pytest.mark.parametrize("loss_name, kind, num_columns", DISTILLATION_CASES)
+def test_teacher_labels_match_upstream_recipe_in_every_mode(
+    model, guide_dir, loss_name, kind, num_columns, teacher_length
+):
+    columns = text_columns(BATCH, num_columns, min_words=6, max_words=20)
+    inner = getattr(upstream, loss_name)(model)
+    teacher = teacher_from(guide_dir, teacher_length)
+    recipe_labels = upstream_recipe_labels(teacher, kind, columns)
+    reference = loss_and_grads(model, with_labels(inner, recipe_labels), columns, train=True)
+
+    live = losses.DistillationLoss(inner, teacher)
+    assert_same_grads(loss_and_grads(model, live, columns, train=True), reference)
+
+    offloaded_teacher = teacher_from(guide_dir, teacher_length)
+    offloaded = losses.DistillationLoss(inner, offloaded_teacher, offload_teacher=True)
+    assert all(module is not offloaded_teacher for module in offloaded.modules())
+    assert_same_grads(loss_and_grads(model, offloaded, columns, train=True), reference)
+
+    dataset = Dataset.from_dict({f"text_{i}": column for i, column in enumerate(columns)})
+    table = losses.TeacherLabels.from_dataset(model, teacher, inner, dataset, batch_size=3, show_progress_bar=False)
+    assert len(table) == BATCH
+    precomputed = losses.DistillationLoss(inner, teacher_labels=table)
+    assert_same_grads(loss_and_grads(model, precomputed, columns, train=True), reference)
+
+    labelled = precompute_teacher_labels(teacher, dataset, inner, batch_size=3, show_progress_bar=False)
+    assert "label" not in dataset.column_names
+    column_labels = torch.tensor(labelled["label"])
+    assert_same_grads(loss_and_grads(model, with_labels(inner, column_labels), columns, train=True), reference)
+
+
+def test_cross_encoder_teacher_margins(model, tiny_classifier_dir):
+    teacher = cross_encoder_from(tiny_classifier_dir)
+    columns = text_columns(BATCH, 3)
+    inner = upstream.MarginMSELoss(model)
+    scores = [
+        torch.as_tensor(teacher.predict(list(zip(columns[0], other)), convert_to_tensor=True, show_progress_bar=False))
+        for other in columns[1:]
+    ]
+    margins = (scores[0] - scores[1]).float()
+    reference = loss_and_grads(model, with_labels(inner, margins), columns, train=False)
+    assert_same_grads(loss_and_grads(model, losses.DistillationLoss(inner, teacher), columns, train=False), reference)
+    assert_same_grads(
+        loss_and_grads(model, losses.DistillationLoss(inner, teacher, offload_teacher=True), columns, train=False),
+        reference,
+    )
+
+
+def test_precompute_releases_the_teacher(model, guide_dir):
+    teacher = teacher_from(guide_dir)
+    loss = losses.DistillationLoss(upstream.MarginMSELoss(model), teacher)
+    dataset = pair_dataset(6, negatives=1)
+    assert loss.precompute_frozen_encoder(dataset, show_progress_bar=False) is teacher
+    report = st_ext.offload.release(teacher, holders=[loss])
+    assert report.ok, report
+    assert loss.teacher is None and st_ext.offload.is_released(teacher)
+    with pytest.raises(st_ext.offload.ReleasedModuleError, match="released"):
+        teacher.encode(["the cat"])
+    loss(features_of(model, [dataset["anchor"], dataset["positive"], dataset["negative_1"]]), None).backward()
+    unknown = text_columns(2, 3, seed=9)
+    with pytest.raises(KeyError, match="not in the precomputed teacher labels"):
+        loss(features_of(model, unknown), None)
+
+
+def test_distillation_bad_input(model, guide_dir, tiny_classifier_dir):
+    teacher = teacher_from(guide_dir)
+    with pytest.raises(TypeError, match="DistillationLoss supports"):
+        losses.DistillationLoss(upstream.MultipleNegativesRankingLoss(model), teacher)
+    with pytest.raises(ValueError, match="needs a teacher model, or precomputed teacher_labels"):
+        losses.DistillationLoss(upstream.MSELoss(model))
+    with pytest.raises(TypeError, match="a CrossEncoder teacher has none"):
+        losses.DistillationLoss(upstream.MSELoss(model), cross_encoder_from(tiny_classifier_dir))
+    with pytest.raises(ValueError, match="shares parameters with the student"):
+        losses.DistillationLoss(upstream.MSELoss(model), model)
+    loss = losses.DistillationLoss(upstream.MarginMSELoss(model), teacher)
+    columns = text_columns(BATCH, 3)
+    with pytest.raises(ValueError, match="has labels from the dataset"):
+        loss(features_of(model, columns), torch.zeros(BATCH))
+    with pytest.raises(ValueError, match="need \\(query, candidate_1, ...\\) columns"):
+        loss(features_of(model, columns[:1]), None)
+    dataset = pair_dataset(4, negatives=1).add_column("label", [0.0] * 4)
+    with pytest.raises(ValueError, match="already has a 'label' column"):
+        precompute_teacher_labels(teacher, dataset, upstream.MarginMSELoss(model), show_progress_bar=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer's option
+
+
+def train_two_steps(model_dir, make_loss, dataset, tmp_path, **trainer_kwargs):
+    """Weights after two steps from a fixed seed, and the trainer."""
+    import sentence_transformers
+
+    model = sentence_transformer_from(model_dir)
+    args = sentence_transformers.SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = st_ext.SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=dataset, loss=make_loss(model), **trainer_kwargs
+    )
+    trainer.train()
+    return [p.detach().clone() for p in model.parameters()], trainer
+
+
+def gist_loss_factory(guide_dir, holder: list):
+    def make(model):
+        guide = guide_from(guide_dir)
+        holder.append(guide)
+        cached = losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=2)
+        return {"matryoshka": losses.MatryoshkaLoss(model, cached, DIMS), "plain": losses.GISTEmbedLoss(model, guide)}
+
+    return make
+
+
+def two_datasets():
+    return {"matryoshka": pair_dataset(8, seed=1, negatives=1), "plain": pair_dataset(8, seed=2)}
+
+
+@pytest.mark.parametrize("mode", ["offload", "precompute"])
+def test_trainer_option_trains_as_resident_gist(tiny_bert_dir, guide_dir, tmp_path, mode):
+    resident, _ = train_two_steps(tiny_bert_dir, gist_loss_factory(guide_dir, []), two_datasets(), tmp_path / "r")
+    guides: list = []
+    weights, trainer = train_two_steps(
+        tiny_bert_dir, gist_loss_factory(guide_dir, guides), two_datasets(), tmp_path / "m", frozen_encoders=mode
+    )
+    for old, new in zip(resident, weights):
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
+    guide = guides[0]
+    inner = trainer.loss["matryoshka"].loss
+    if mode == "offload":
+        assert inner.offload_guide and {p.device.type for p in guide.parameters()} == {"cpu"}
+        assert all(module is not guide for module in trainer.loss["matryoshka"].modules())
+    else:
+        assert inner.guide is None and trainer.loss["plain"].guide is None
+        assert st_ext.offload.is_released(guide)
+        assert [report.ok for report in trainer.frozen_encoder_reports] == [True]
+
+
+def test_trainer_option_trains_as_resident_teacher(tiny_bert_dir, guide_dir, tmp_path):
+    def make(model):
+        return losses.DistillationLoss(upstream.MarginMSELoss(model), teacher_from(guide_dir))
+
+    dataset = pair_dataset(8, negatives=1)
+    resident, _ = train_two_steps(tiny_bert_dir, make, dataset, tmp_path / "r")
+    for mode in ("offload", "precompute"):
+        weights, trainer = train_two_steps(tiny_bert_dir, make, dataset, tmp_path / mode, frozen_encoders=mode)
+        for old, new in zip(resident, weights):
+            torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
+    assert trainer.loss.teacher is None and len(trainer.loss.teacher_labels) == 8
+    trainer.model.save(str(tmp_path / "saved"))
+    card = (tmp_path / "saved" / "README.md").read_text()
+    assert "DistillationLoss" in card and "MarginMSELoss" in card and "hofstätter2021improving" in card
+
+
+def test_trainer_option_bad_input(tiny_bert_dir, guide_dir, tmp_path):
+    dataset = pair_dataset(8)
+
+    def ours(model):
+        return losses.GISTEmbedLoss(model, guide_from(guide_dir))
+
+    def theirs(model):
+        return upstream.GISTEmbedLoss(model, guide_from(guide_dir))
+
+    with pytest.raises(ValueError, match="frozen_encoders must be one of"):
+        train_two_steps(tiny_bert_dir, ours, dataset, tmp_path, frozen_encoders="sideways")
+    with pytest.raises(TypeError, match="Use st_ext's class of the same name"):
+        train_two_steps(tiny_bert_dir, theirs, dataset, tmp_path, frozen_encoders="offload")
+    with pytest.raises(ValueError, match="holds no frozen encoder"):
+        train_two_steps(
+            tiny_bert_dir, upstream.MultipleNegativesRankingLoss, dataset, tmp_path, frozen_encoders="precompute"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.cuda
+def test_offloaded_guide_and_teacher_stay_on_cpu_and_train_as_resident(tiny_bert_dir, guide_dir):
+    def step(loss, model, columns):
+        features = [
+            {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in f.items()} for f in features_of(model, columns)
+        ]
+        torch.manual_seed(0)
+        loss(features, None).backward()
+        grads = [p.grad.detach().cpu() for p in model.parameters() if p.grad is not None]  # none kept on CUDA
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    model = sentence_transformer_from(tiny_bert_dir).to("cuda").eval()
+    columns = text_columns(BATCH, 3)
+    for make in (
+        lambda frozen, offload: losses.GISTEmbedLoss(model, frozen, offload_guide=offload),
+        lambda frozen, offload: losses.DistillationLoss(upstream.MarginMSELoss(model), frozen, offload_teacher=offload),
+    ):
+        resident = step(make(guide_from(guide_dir).to("cuda"), False), model, columns)
+        frozen = guide_from(guide_dir)
+        offloaded = make(frozen, True).to("cuda")
+        gc.collect()  # the resident guide and loss sit in reference cycles
+        before = torch.cuda.memory_allocated()
+        offloaded_grads = step(offloaded, model, columns)
+        gc.collect()
+        assert {p.device.type for p in frozen.parameters()} == {"cpu"}
+        assert torch.cuda.memory_allocated() == before
+        for old, new in zip(resident, offloaded_grads):
+            torch.testing.assert_close(new, old)
