@@ -1,15 +1,16 @@
-"""The trainer's ``frozen_encoders`` option: every guide and teacher of the loss kept, offloaded, or precomputed.
+"""``SentenceTransformerTrainer(frozen_encoders=...)``: guides and teachers resident, offloaded or precomputed.
 
 * ``"resident"`` (default): as upstream; frozen encoders stay on the training device.
 * ``"offload"``: each stays on the CPU and visits the training device only for its no-grad pass.
-* ``"precompute"``: each computes its outputs for every row of the training and evaluation
-  datasets once, then is released (:func:`st_ext.offload.release`): nothing of it stays in memory.
+* ``"precompute"``: each loss holding one computes its outputs for every row of the datasets it
+  will see (training and evaluation; with a dict of losses, those of its keys), then the encoder
+  is released (:func:`st_ext.offload.release`): nothing of it stays in memory.
 
-Training gives the same results in every mode. The losses that take part are st_ext's
-``GISTEmbedLoss``, ``CachedGISTEmbedLoss`` and ``DistillationLoss`` (also inside a
-``MatryoshkaLoss``, a ``CrossBatchMemoryLoss`` or a dict of losses); they provide
-``offload_frozen_encoder()`` and ``precompute_frozen_encoder(datasets, ...)``, which returns the
-encoder it let go of; each encoder is released once, after every loss sharing it has precomputed.
+Training gives the same results in every mode. The losses that take part are the
+:class:`~st_ext.losses.frozen_encoders.FrozenEncoderHolder` ones, st_ext's ``GISTEmbedLoss``,
+``CachedGISTEmbedLoss`` and ``DistillationLoss``, wherever they sit in the loss (inside a wrapper
+such as ``MatryoshkaLoss``, or in a dict of losses). Each encoder is released once, after every
+loss sharing it has precomputed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from st_ext.losses.frozen_encoders import FrozenEncoderHolder
 from st_ext.offload import release
 
 logger = logging.getLogger(__name__)
@@ -41,8 +43,28 @@ def _loss_modules(loss: Any) -> list[nn.Module]:
 
 def frozen_encoder_losses(loss: Any) -> list[nn.Module]:
     """The loss modules (one loss, or a dict of them) whose frozen encoder st_ext can offload or precompute."""
-    found = [module for module in _loss_modules(loss) if callable(getattr(module, "offload_frozen_encoder", None))]
+    found = [module for module in _loss_modules(loss) if isinstance(module, FrozenEncoderHolder)]
     return list({id(module): module for module in found}.values())
+
+
+def _routed(datasets: Any, key: str) -> Any:
+    """The dataset a dict of losses routes to ``key``: ``datasets[key]``, or the one dataset given."""
+    if isinstance(datasets, dict):
+        return datasets.get(key)
+    return datasets
+
+
+def holders_and_their_datasets(loss: Any, train_dataset: Any, eval_dataset: Any) -> list[tuple[nn.Module, list]]:
+    """Each loss holding a frozen encoder, with the datasets it will see (with a dict of losses: its keys')."""
+    if not isinstance(loss, dict):
+        datasets = [dataset for dataset in (train_dataset, eval_dataset) if dataset is not None]
+        return [(holder, datasets) for holder in frozen_encoder_losses(loss)]
+    routed: dict[int, tuple[nn.Module, list]] = {}
+    for key, item in loss.items():
+        seen = [dataset for dataset in (_routed(train_dataset, key), _routed(eval_dataset, key)) if dataset is not None]
+        for holder in frozen_encoder_losses(item):
+            routed.setdefault(id(holder), (holder, []))[1].extend(seen)
+    return list(routed.values())
 
 
 def _refuse_upstream_guided_losses(loss: Any, mode: str) -> None:
@@ -50,7 +72,13 @@ def _refuse_upstream_guided_losses(loss: Any, mode: str) -> None:
 
     upstream = st_losses()
     classes = tuple(getattr(upstream, name) for name in _UPSTREAM_GUIDED if hasattr(upstream, name))
-    found = sorted({type(module).__name__ for module in _loss_modules(loss) if type(module) in classes})
+    found = sorted(
+        {
+            type(module).__name__
+            for module in _loss_modules(loss)
+            if isinstance(module, classes) and not isinstance(module, FrozenEncoderHolder)
+        }
+    )
     if found:
         raise TypeError(
             f"frozen_encoders={mode!r} cannot move the guide of sentence-transformers' {', '.join(found)}: it is a "
@@ -63,17 +91,22 @@ def apply_frozen_encoder_mode(
     mode: str,
     loss: Any,
     *,
-    datasets: list[Any],
-    device: Any,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    device: Any = None,
     prompts: Any = None,
     show_progress_bar: bool = True,
 ) -> list[Any]:
-    """Switch every frozen encoder of ``loss`` to ``mode``; return the release reports of ``"precompute"``."""
+    """Switch every frozen encoder of ``loss`` to ``mode``; return the release reports of ``"precompute"``.
+
+    ``train_dataset``/``eval_dataset`` as given to the trainer (a dataset or a dict of them per loss);
+    ``device``: where ``"precompute"`` runs the encoders (default: where each is).
+    """
     validate_frozen_encoder_mode(mode)
     if mode == "resident":
         return []
     _refuse_upstream_guided_losses(loss, mode)
-    holders = frozen_encoder_losses(loss)
+    holders = holders_and_their_datasets(loss, train_dataset, eval_dataset)
     if not holders:
         raise ValueError(
             f"frozen_encoders={mode!r}, but the loss holds no frozen encoder st_ext can move (a guide of "
@@ -81,25 +114,29 @@ def apply_frozen_encoder_mode(
             "Leave frozen_encoders at 'resident' for this loss."
         )
     if mode == "offload":
-        for holder in holders:
+        for holder, _ in holders:
             holder.offload_frozen_encoder()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the trainer had moved the encoders onto the device; hand that back
+            torch.cuda.empty_cache()
         return []
     if prompts:
         raise ValueError(
             "frozen_encoders='precompute' looks rows up by their token ids, but the trainer adds prompts to the "
             "texts; use frozen_encoders='offload', or put the prompts into the dataset's texts."
         )
-    if not datasets:
-        raise ValueError("frozen_encoders='precompute' needs the training dataset when the trainer is built.")
+    without_data = [type(holder).__name__ for holder, datasets in holders if not datasets]
+    if without_data:
+        raise ValueError(
+            f"frozen_encoders='precompute' needs the datasets {', '.join(without_data)} will see when the trainer "
+            "is built (train_dataset, and eval_dataset if any)."
+        )
     encoders = [
         holder.precompute_frozen_encoder(datasets, device=device, show_progress_bar=show_progress_bar)
-        for holder in holders
+        for holder, datasets in holders
     ]
     reports = []
     for encoder in {id(encoder): encoder for encoder in encoders if encoder is not None}.values():
-        report = release(encoder, holders=holders)
+        report = release(encoder, holders=[holder for holder, _ in holders])
         logger.info("%s", report)
         reports.append(report)
     return reports

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from functools import partial
 from typing import Iterator
 
 import sentence_transformers
@@ -88,9 +89,10 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
     checkpoint and restored on resume.
 
     ``frozen_encoders`` (keyword only): ``"resident"`` (default), ``"offload"`` or ``"precompute"``
-    for every GIST guide and distillation teacher of the loss; see :mod:`st_ext.frozen_encoder_option`.
-    With ``"precompute"`` they are run over ``train_dataset`` and ``eval_dataset`` here, then released;
-    :attr:`frozen_encoder_reports` holds what each release freed.
+    for every GIST guide and distillation teacher of the loss, switched before upstream moves the loss
+    onto the model's device; see :mod:`st_ext.frozen_encoder_option`. With ``"precompute"`` they run
+    over ``train_dataset`` and ``eval_dataset`` here, then are released; :attr:`frozen_encoder_reports`
+    holds what each release freed.
     """
 
     def __init__(
@@ -108,17 +110,24 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         from st_ext.losses.cross_batch_memory import attach_memory_callback
 
         validate_frozen_encoder_mode(frozen_encoders)
-        super().__init__(model, args, train_dataset, eval_dataset, resolve_loss_names(loss, model), *rest, **kwargs)
+        loss = resolve_loss_names(loss, model)
+        switch = partial(
+            apply_frozen_encoder_mode,
+            frozen_encoders,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            prompts=getattr(args, "prompts", None),
+            show_progress_bar=not getattr(args, "disable_tqdm", False),
+        )
+        # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
+        built = isinstance(loss, (nn.Module, dict))
+        reports = switch(loss, device=getattr(model, "device", None)) if built else []
+        super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
+        if not built:  # a loss factory, built by upstream's __init__ just now
+            reports = switch(self.loss, device=self.model.device)
         attach_memory_callback(self)
         self.frozen_encoders = frozen_encoders
-        self.frozen_encoder_reports = apply_frozen_encoder_mode(
-            frozen_encoders,
-            self.loss,
-            datasets=[dataset for dataset in (train_dataset, eval_dataset) if dataset is not None],
-            device=self.model.device,
-            prompts=getattr(self.args, "prompts", None),
-            show_progress_bar=not self.args.disable_tqdm,
-        )
+        self.frozen_encoder_reports = reports
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""

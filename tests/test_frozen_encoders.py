@@ -12,7 +12,7 @@ from datasets import Dataset
 import st_ext
 import st_ext.offload
 from st_ext import losses
-from st_ext._compat import ST_VERSION, st_losses
+from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, st_losses
 from st_ext.losses.distillation import precompute_teacher_labels
 from loss_checks import (
     assert_losses_agree,
@@ -29,7 +29,6 @@ upstream = st_losses()
 BATCH = 8
 DIMS = [32, 16, 8]
 HAS_KL = hasattr(upstream, "DistillKLDivLoss")
-MANY_NEGATIVE_MARGINS = ST_VERSION.major >= 5  # 4.x's MarginMSELoss takes exactly one negative
 
 
 @pytest.fixture
@@ -97,6 +96,36 @@ def test_gist_offloaded_guide_runs_inside_on_device(model, guide, monkeypatch):
     assert placed == [(guide, torch.device("cpu"))]
 
 
+@pytest.mark.parametrize("make", ["gist", "cached_gist", "distillation"])
+def test_offload_flag_moves_the_encoder_off_the_device(model, guide, monkeypatch, make):
+    """A guide or teacher loaded on the accelerator goes to the CPU when the loss is told to offload it."""
+    moved = []
+    real_offload = st_ext.offload.offload
+    def recording_offload(module, *args, **kwargs):
+        moved.append(module)
+        return real_offload(module, *args, **kwargs)
+
+    monkeypatch.setattr(st_ext.offload, "offload", recording_offload)
+    if make == "gist":
+        losses.GISTEmbedLoss(model, guide, offload_guide=True)
+    elif make == "cached_gist":
+        losses.CachedGISTEmbedLoss(model, guide, offload_guide=True)
+    else:
+        losses.DistillationLoss(upstream.MSELoss(model), guide, offload_teacher=True)
+    assert moved == [guide]
+
+
+def test_precompute_extends_a_table_the_loss_already_has(model, guide):
+    known = text_columns(4, 2, seed=3)
+    table = losses.GuideEmbeddings.from_texts(model, guide, sum(known, []), show_progress_bar=False)
+    table.values[0] = 7.0  # a row only the user's table has
+    loss = losses.GISTEmbedLoss(model, guide, guide_embeddings=table)
+    dataset = pair_dataset(6, seed=4)
+    assert loss.precompute_frozen_encoder(dataset, show_progress_bar=False) is guide
+    assert len(loss.guide_embeddings) == len(table) + 12
+    assert torch.equal(loss.guide_embeddings.lookup(features_of(model, [known[0][:1]])[0])[0], torch.full((32,), 7.0))
+
+
 def test_gist_without_guide_or_table_is_refused(model):
     with pytest.raises(ValueError, match="needs a guide model, or precomputed guide_embeddings"):
         losses.GISTEmbedLoss(model)
@@ -127,7 +156,7 @@ DISTILLATION_CASES = [
     pytest.param("MarginMSELoss", "margins", 3, id="margin-mse"),
     pytest.param(
         "MarginMSELoss", "margins", 4, id="margin-mse-2-negatives",
-        marks=pytest.mark.skipif(not MANY_NEGATIVE_MARGINS, reason="4.x's MarginMSELoss takes one negative"),
+        marks=pytest.mark.skipif(not MARGIN_MSE_TAKES_MANY_NEGATIVES, reason="4.x's MarginMSELoss takes one negative"),
     ),
     pytest.param(
         "DistillKLDivLoss", "scores", 3, id="kl-div",
@@ -205,6 +234,37 @@ def test_precompute_releases_the_teacher(model, guide_dir):
         loss(features_of(model, unknown), None)
 
 
+@pytest.mark.skipif(MARGIN_MSE_TAKES_MANY_NEGATIVES, reason="this MarginMSELoss takes several negatives")
+def test_one_negative_only_on_4x(model, guide_dir):
+    loss = losses.DistillationLoss(upstream.MarginMSELoss(model), teacher_from(guide_dir))
+    with pytest.raises(ValueError, match="takes \\(query, positive, negative\\) columns; got 4"):
+        loss(features_of(model, text_columns(BATCH, 4)), None)
+    dataset = pair_dataset(4, negatives=2)
+    with pytest.raises(ValueError, match="takes \\(query, positive, negative\\) columns; got 4"):
+        precompute_teacher_labels(
+            teacher_from(guide_dir), dataset, upstream.MarginMSELoss(model), show_progress_bar=False
+        )
+
+
+def test_precompute_teacher_labels_freezes_and_releases_a_fresh_teacher(model, guide_dir):
+    teacher = sentence_transformer_from(guide_dir)
+    assert all(p.requires_grad for p in teacher.parameters())
+    dataset = pair_dataset(4, negatives=1)
+    labelled = precompute_teacher_labels(
+        teacher, dataset, upstream.MarginMSELoss(model), release_teacher=True, show_progress_bar=False
+    )
+    assert len(labelled["label"]) == 4 and st_ext.offload.is_released(teacher)
+
+
+def test_multi_label_cross_encoder_teacher_is_refused(model, tmp_path):
+    from tiny_models import save_tiny_bert
+
+    path = save_tiny_bert(tmp_path / "two_labels", classifier=True, num_labels=2)
+    teacher = st_ext.CrossEncoder(str(path), num_labels=2, max_length=32, device="cpu")
+    with pytest.raises(ValueError, match="one score per pair; this one has num_labels=2"):
+        losses.DistillationLoss(upstream.MarginMSELoss(model), teacher)
+
+
 def test_distillation_bad_input(model, guide_dir, tiny_classifier_dir):
     teacher = teacher_from(guide_dir)
     with pytest.raises(TypeError, match="DistillationLoss supports"):
@@ -230,7 +290,7 @@ def test_distillation_bad_input(model, guide_dir, tiny_classifier_dir):
 # The trainer's option
 
 
-def train_two_steps(model_dir, make_loss, dataset, tmp_path, **trainer_kwargs):
+def train_two_steps(model_dir, make_loss, dataset, tmp_path, prompts=None, **trainer_kwargs):
     """Weights after two steps from a fixed seed, and the trainer."""
     import sentence_transformers
 
@@ -244,6 +304,7 @@ def train_two_steps(model_dir, make_loss, dataset, tmp_path, **trainer_kwargs):
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        prompts=prompts,
     )
     trainer = st_ext.SentenceTransformerTrainer(
         model=model, args=args, train_dataset=dataset, loss=make_loss(model), **trainer_kwargs
@@ -297,9 +358,29 @@ def test_trainer_option_trains_as_resident_teacher(tiny_bert_dir, guide_dir, tmp
         for old, new in zip(resident, weights):
             torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6)
     assert trainer.loss.teacher is None and len(trainer.loss.teacher_labels) == 8
+    assert [report.ok for report in trainer.frozen_encoder_reports] == [True]
     trainer.model.save(str(tmp_path / "saved"))
     card = (tmp_path / "saved" / "README.md").read_text()
     assert "DistillationLoss" in card and "MarginMSELoss" in card and "hofstätter2021improving" in card
+
+
+def test_trainer_precompute_routes_each_loss_its_own_datasets(tiny_bert_dir, guide_dir, tmp_path):
+    """A teacher labels the (query, positive, negative) rows routed to its loss, evaluation rows included,
+    not the pairs of another loss in the dict."""
+    teachers: list = []
+
+    def make(model):
+        teachers.append(teacher_from(guide_dir))
+        distil = losses.DistillationLoss(upstream.MarginMSELoss(model), teachers[0])
+        return {"distil": distil, "pairs": upstream.MultipleNegativesRankingLoss(model)}
+
+    train = {"distil": pair_dataset(8, seed=1, negatives=1), "pairs": pair_dataset(8, seed=2)}
+    evaluation = {"distil": pair_dataset(4, seed=3, negatives=1), "pairs": pair_dataset(4, seed=4)}
+    _, trainer = train_two_steps(
+        tiny_bert_dir, make, train, tmp_path, eval_dataset=evaluation, frozen_encoders="precompute"
+    )
+    assert len(trainer.loss["distil"].teacher_labels) == 8 + 4
+    assert st_ext.offload.is_released(teachers[0])
 
 
 def test_trainer_option_bad_input(tiny_bert_dir, guide_dir, tmp_path):
@@ -315,6 +396,8 @@ def test_trainer_option_bad_input(tiny_bert_dir, guide_dir, tmp_path):
         train_two_steps(tiny_bert_dir, ours, dataset, tmp_path, frozen_encoders="sideways")
     with pytest.raises(TypeError, match="Use st_ext's class of the same name"):
         train_two_steps(tiny_bert_dir, theirs, dataset, tmp_path, frozen_encoders="offload")
+    with pytest.raises(ValueError, match="the trainer adds prompts"):
+        train_two_steps(tiny_bert_dir, ours, dataset, tmp_path, frozen_encoders="precompute", prompts="query: ")
     with pytest.raises(ValueError, match="holds no frozen encoder"):
         train_two_steps(
             tiny_bert_dir, upstream.MultipleNegativesRankingLoss, dataset, tmp_path, frozen_encoders="precompute"
@@ -344,7 +427,7 @@ def test_offloaded_guide_and_teacher_stay_on_cpu_and_train_as_resident(tiny_bert
         lambda frozen, offload: losses.DistillationLoss(upstream.MarginMSELoss(model), frozen, offload_teacher=offload),
     ):
         resident = step(make(guide_from(guide_dir).to("cuda"), False), model, columns)
-        frozen = guide_from(guide_dir)
+        frozen = guide_from(guide_dir).to("cuda")  # loaded on the accelerator, as SentenceTransformer does by default
         offloaded = make(frozen, True).to("cuda")
         gc.collect()  # the resident guide and loss sit in reference cycles
         before = torch.cuda.memory_allocated()

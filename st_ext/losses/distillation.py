@@ -7,7 +7,7 @@ Here the same losses get their labels from the teacher in one of three ways:
 * :class:`DistillationLoss` with a resident teacher: labels computed per batch, on the batch's rows.
 * ``offload_teacher=True``: the teacher stays on the CPU and visits the training device only for
   its no-grad pass.
-* :class:`TeacherLabels` (or the trainers' ``frozen_encoders="precompute"``): every row's labels
+* :class:`TeacherLabels` (or ``SentenceTransformerTrainer(frozen_encoders="precompute")``): every row's labels
   computed once, looked up by the rows' token ids during training, and the teacher released.
   :func:`precompute_teacher_labels` instead writes them into a label column for upstream's losses.
 
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from st_ext import offload
-from st_ext._compat import preprocess, st_losses
+from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, preprocess, st_losses
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
@@ -44,6 +44,7 @@ from st_ext.losses.frozen_encoders import (
     embed_frozen,
     features_device,
     frozen_placement,
+    module_device,
     retokenizer_for,
     text_columns,
 )
@@ -68,6 +69,19 @@ def is_cross_encoder(teacher: Any) -> bool:
     from sentence_transformers import CrossEncoder
 
     return isinstance(teacher, CrossEncoder)
+
+
+def check_teacher_kind(teacher: nn.Module, loss: nn.Module, kind: str) -> None:
+    """Raise unless ``teacher`` can give the labels ``loss`` reads."""
+    if is_cross_encoder(teacher):
+        if kind == EMBEDDINGS:
+            raise TypeError(f"{type(loss).__name__} learns the teacher's embeddings; a CrossEncoder teacher has none.")
+        if getattr(teacher, "num_labels", 1) != 1:
+            raise ValueError(
+                f"A CrossEncoder teacher must give one score per pair; this one has num_labels={teacher.num_labels}."
+            )
+    elif not callable(getattr(teacher, "similarity_pairwise", None)):
+        raise TypeError(f"The teacher must be a SentenceTransformer or a CrossEncoder, got {type(teacher).__name__}.")
 
 
 def labels_from_scores(kind: str, scores: Tensor) -> Tensor:
@@ -121,6 +135,11 @@ def _check_columns(kind: str, num_columns: int) -> None:
         raise ValueError(
             f"Teacher {kind} need (query, candidate_1, ...) columns; this batch has {num_columns} text column(s)."
         )
+    if kind == MARGINS and num_columns != 3 and not MARGIN_MSE_TAKES_MANY_NEGATIVES:
+        raise ValueError(
+            f"This sentence-transformers' MarginMSELoss takes (query, positive, negative) columns; got {num_columns}. "
+            "Keep one negative column, or use sentence-transformers 5.0 or newer for several."
+        )
 
 
 class TeacherLabels(KeyedRows):
@@ -150,17 +169,18 @@ class TeacherLabels(KeyedRows):
     ) -> TeacherLabels:
         """Label every row of one or more datasets (a ``Dataset``, ``DatasetDict`` or list) as the live loss would.
 
-        The text columns are taken in order, as the data collator takes them. ``device``: where the
-        teacher runs for this pass (frozen, moved there and back); default: where it is.
+        The text columns are taken in order, as the data collator takes them. The teacher is frozen
+        (``requires_grad_(False)``, ``eval()``). ``device``: where it runs for this pass (moved there
+        and back); default: where it is.
         """
         kind = label_kind(loss)
+        check_teacher_kind(teacher, loss, kind)
+        teacher.requires_grad_(False).eval()
         retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
         keys: dict[bytes, int] = {}
         chunks: list[Tensor] = []
-        if device is not None:
-            teacher.requires_grad_(False)
         placement = nullcontext() if device is None else frozen_placement(teacher, torch.device(device), True)
-        run_device = torch.device(device) if device is not None else _module_device(teacher)
+        run_device = torch.device(device) if device is not None else module_device(teacher)
         datasets = as_dataset_list(datasets)
         with placement, tqdm(
             total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
@@ -170,7 +190,7 @@ class TeacherLabels(KeyedRows):
                 _check_columns(kind, len(columns))
                 for begin in range(0, len(dataset), batch_size):
                     batch = dataset[begin : begin + batch_size]
-                    features = [_to(preprocess(model, batch[column]), run_device) for column in columns]
+                    features = [preprocess(model, batch[column], run_device) for column in columns]
                     new_rows = []
                     for row, key in enumerate(combined_row_keys(features)):
                         if key not in keys:
@@ -188,14 +208,6 @@ class TeacherLabels(KeyedRows):
 
     def missing(self, sentence_features: Sequence[Features]) -> int:
         return self.count_missing(combined_row_keys(sentence_features))
-
-
-def _to(features: Features, device: torch.device) -> Features:
-    return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in features.items()}
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
 
 
 class DistillationLoss(FrozenEncoderHolder, nn.Module):
@@ -272,7 +284,8 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
             )
 
     def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
-        self.teacher_labels = TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
+        table = TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
+        self.teacher_labels = table if self.teacher_labels is None else self.teacher_labels.extended_with(table)
 
     def get_config_dict(self) -> dict[str, Any]:
         config = self.loss.get_config_dict() if hasattr(self.loss, "get_config_dict") else {}
@@ -301,12 +314,7 @@ def _validate_teacher(loss, teacher, teacher_labels, offload_teacher, kind) -> N
         return
     if not {id(p) for p in loss.model.parameters()}.isdisjoint(id(p) for p in teacher.parameters()):
         raise ValueError("The teacher shares parameters with the student being trained; use a separate teacher model.")
-    if is_cross_encoder(teacher) and kind == EMBEDDINGS:
-        raise TypeError(f"{type(loss).__name__} learns the teacher's embeddings; a CrossEncoder teacher has none.")
-    if not is_cross_encoder(teacher) and not callable(getattr(teacher, "similarity_pairwise", None)):
-        raise TypeError(
-            f"The teacher must be a SentenceTransformer or a CrossEncoder, got {type(teacher).__name__}."
-        )
+    check_teacher_kind(teacher, loss, kind)
 
 
 def precompute_teacher_labels(
@@ -326,9 +334,10 @@ def precompute_teacher_labels(
     """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``, computed from the raw texts.
 
     The upstream way to distil: train on the result with the bare ``loss``. ``columns`` defaults to
-    the text columns in order (query first). With ``release_teacher=True`` the teacher is released
-    afterwards (:func:`st_ext.offload.release` with ``holders``); with ``device`` it is moved there
-    only for the computation. The input dataset is not changed.
+    the text columns in order (query first). The teacher is frozen (``requires_grad_(False)``,
+    ``eval()``); with ``release_teacher=True`` it is released afterwards (:func:`st_ext.offload.release`
+    with ``holders``); with ``device`` it is moved there only for the computation. The input dataset
+    is not changed.
     """
     kind = label_kind(loss)
     columns = list(columns) if columns is not None else text_columns(dataset)
@@ -338,10 +347,8 @@ def precompute_teacher_labels(
         raise ValueError(f"Columns {missing} are not in the dataset (it has {dataset.column_names}).")
     if label_column in dataset.column_names and not overwrite:
         raise ValueError(f"The dataset already has a {label_column!r} column; pass overwrite=True to replace it.")
-    if kind == EMBEDDINGS and is_cross_encoder(teacher):
-        raise TypeError(f"{type(loss).__name__} learns the teacher's embeddings; a CrossEncoder teacher has none.")
-    if release_teacher:
-        offload.refuse_if_trainable(teacher, action="release")
+    check_teacher_kind(teacher, loss, kind)
+    teacher.requires_grad_(False).eval()
     placement = nullcontext() if device is None else offload.on_device(teacher, device)
     chunks = []
     with placement, torch.no_grad(), tqdm(

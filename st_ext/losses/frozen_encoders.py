@@ -154,6 +154,20 @@ class KeyedRows:
     def count_missing(self, keys: Sequence[bytes]) -> int:
         return sum(key not in self.keys for key in keys)
 
+    def extended_with(self, other: KeyedRows):
+        """A table with this one's rows, plus the rows of ``other`` whose keys this one lacks."""
+        if len(other) and len(self) and other.values.shape[1:] != self.values.shape[1:]:
+            shapes = tuple(self.values.shape[1:]), tuple(other.values.shape[1:])
+            raise ValueError(f"Cannot extend a table of rows shaped {shapes[0]} with rows shaped {shapes[1]}.")
+        new_keys = [key for key in other.keys if key not in self.keys]
+        if not new_keys:
+            return self
+        keys = dict(self.keys)
+        for key in new_keys:
+            keys[key] = len(keys)
+        added = other.values[torch.tensor([other.keys[key] for key in new_keys], dtype=torch.long)]
+        return type(self)(keys, torch.cat([self.values, added.to(self.values.dtype)]) if len(self) else added)
+
     def save(self, path: str | Path) -> None:
         torch.save({"keys": list(self.keys), "values": self.values}, path)
 
@@ -167,7 +181,7 @@ class KeyedRows:
 class FrozenEncoderHolder:
     """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, or a table instead.
 
-    Provides what the trainers' ``frozen_encoders`` option calls (:mod:`st_ext.frozen_encoder_option`):
+    Provides what ``SentenceTransformerTrainer(frozen_encoders=...)`` calls (:mod:`st_ext.frozen_encoder_option`):
     :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`. A subclass names its
     attributes and builds its table in :meth:`_precompute_table`.
     """
@@ -177,9 +191,11 @@ class FrozenEncoderHolder:
     offload_attribute: ClassVar[str]
 
     def _hold_encoder(self, encoder: nn.Module | None, offloaded: bool) -> None:
-        """Hold ``encoder``: as a submodule (resident, moved with the loss) or outside the module tree."""
+        """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU
+        outside the module tree."""
         if offloaded:
             hold_outside_module_tree(self, self.encoder_attribute, encoder)
+            offload.offload(encoder)
         else:
             setattr(self, self.encoder_attribute, encoder)
         setattr(self, self.offload_attribute, offloaded)
@@ -188,6 +204,7 @@ class FrozenEncoderHolder:
         """Raise if ``encoder`` may not be frozen, moved or released (e.g. it shares the model's weights)."""
 
     def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
+        """Compute the encoder's table for ``datasets`` and keep it, extending a table the loss already has."""
         raise NotImplementedError
 
     def offload_frozen_encoder(self) -> None:
@@ -197,7 +214,6 @@ class FrozenEncoderHolder:
             return
         self._check_can_let_go(encoder)
         self._hold_encoder(encoder, offloaded=True)
-        offload.offload(encoder)
 
     def precompute_frozen_encoder(
         self,

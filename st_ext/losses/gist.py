@@ -405,7 +405,8 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         _refuse_shared_guide(self.model, encoder)
 
     def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
-        self.guide_embeddings = GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
+        table = GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
+        self.guide_embeddings = table if self.guide_embeddings is None else self.guide_embeddings.extended_with(table)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
