@@ -40,7 +40,7 @@ MAX_ST_VERSION = Version("6.2.0")
 
 #: Upstream ``CrossEncoder`` has ``gradient_checkpointing_enable`` (added in 5.0.0, upstream PR #3331).
 CROSS_ENCODER_HAS_CHECKPOINTING = ST_VERSION >= Version("5.0.0")
-# MarginMSELoss takes (query, positive, negative_1..n) from 5.0; before, exactly one negative.
+#: ``MarginMSELoss`` takes (query, positive, negative_1..n) from 5.0.0; before, exactly one negative.
 MARGIN_MSE_TAKES_MANY_NEGATIVES = ST_VERSION >= Version("5.0.0")
 
 #: ``CrossEncoder`` is an ``nn.Sequential`` of modules (5.4+) rather than a wrapper of ``.model``.

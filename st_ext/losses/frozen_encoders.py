@@ -174,8 +174,7 @@ class KeyedRows:
     @classmethod
     def load(cls, path: str | Path):
         state = torch.load(path, weights_only=True)
-        values = state["values"] if "values" in state else state["embeddings"]
-        return cls({key: row for row, key in enumerate(state["keys"])}, values)
+        return cls({key: row for row, key in enumerate(state["keys"])}, state["values"])
 
 
 class FrozenEncoderHolder:

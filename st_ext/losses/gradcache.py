@@ -84,10 +84,12 @@ def batch_size_of(features: Features) -> int:
 
 def row_token_keys(features: Features) -> list[bytes]:
     """One key per row: its non-padding token ids, so the same text has the same key whatever its padding."""
-    input_ids = features["input_ids"].detach().cpu().to(torch.int64)
+    input_ids = features["input_ids"].detach().cpu().to(torch.int64).numpy()
     mask = features.get("attention_mask")
-    mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
-    return [ids[keep].numpy().tobytes() for ids, keep in zip(input_ids, mask)]
+    if mask is None:
+        return [ids.tobytes() for ids in input_ids]
+    # numpy, not torch: indexing row by row is ten times faster there, and this runs every step
+    return [ids[keep].tobytes() for ids, keep in zip(input_ids, mask.detach().cpu().bool().numpy())]
 
 
 def minibatch_ranges(features: Features, mini_batch_size: int, mini_batch_num_tokens: int | None = None) -> Ranges:
