@@ -47,8 +47,7 @@ LOSSES = ("GISTEmbedLoss", "CachedGISTEmbedLoss")
 GUIDES = {"shared_tokenizer": 32, "retokenize": 16}
 # Anchor, positive and negative columns of four texts each, no text twice.
 COLUMNS = [SENTENCES[:4], SENTENCES[4:], [SENTENCES[i] + " and the car" for i in (1, 3, 5, 7)]]
-# Where the cuda checks put the model (and the reference guide); a dry run of the checks on a CPU-only machine
-# can set it to "cpu".
+# Where the cuda checks put the model and the reference guide.
 ACCELERATOR = "cuda"
 
 # ---------------------------------------------------------------------------------------------------------------
