@@ -15,6 +15,7 @@ Figures are *above the level on entry*: memory already held before the block doe
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -104,9 +105,21 @@ def _cpu_allocation_events(prof) -> list[tuple[int, int]]:
 
 
 def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:
-    """Highest running total of signed allocation sizes, replayed in time order (never below 0)."""
+    """Highest total of the blocks allocated inside the window and alive together, events replayed in time order.
+
+    A free counts only while a block of its size allocated inside the window is alive: the profiler
+    also reports frees of blocks allocated during an earlier profiled window (their size is known),
+    which would otherwise make room for the block's own allocations and hide them.
+    """
+    alive_sizes: Counter[int] = Counter()
     running = peak = 0
     for _, nbytes in sorted(events):
+        if nbytes >= 0:
+            alive_sizes[nbytes] += 1
+        elif alive_sizes[-nbytes]:
+            alive_sizes[-nbytes] -= 1
+        else:
+            continue
         running += nbytes
         peak = max(peak, running)
     return peak

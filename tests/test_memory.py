@@ -36,9 +36,24 @@ def test_memory_held_before_entry_does_not_count():
     assert MIB <= peak.peak_bytes < 2 * MIB
 
 
+def test_free_of_a_block_from_an_earlier_window_does_not_count():
+    """The profiler reports that free (it saw the allocation); it must not make room for this block's own."""
+    with measure_peak("cpu"):
+        early = torch.empty(64 * 1024, dtype=torch.uint8)
+    with measure_peak("cpu") as peak:
+        del early
+        small = torch.empty(MIB, dtype=torch.uint8)
+        del small
+    assert MIB <= peak.peak_bytes < MIB + 64 * 1024
+
+
 def test_peak_replays_events_in_time_order():
-    events = [(3, -5), (1, 10), (2, 4), (4, 1)]
+    events = [(3, -4), (1, 10), (2, 4), (4, 1)]
     assert peak_of_allocation_events(events) == 14
+
+
+def test_frees_without_an_allocation_in_the_window_are_ignored():
+    assert peak_of_allocation_events([(1, -8), (2, 5), (3, -7), (4, 2), (5, -5)]) == 7
 
 
 def test_unknown_device_is_refused():
