@@ -25,15 +25,15 @@ from st_ext.memory import measure_peak, resolve_device
 
 
 def make_batch(model, batch_size: int, seq_len: int):
-    """Anchor/positive features of ``seq_len`` tokens each (repeated words, truncated by the model)."""
+    """Anchor/positive features of ``seq_len`` tokens each (repeated words, truncated by the model), on its device."""
     words = ("memory bounded training of sentence embeddings " * seq_len).split()[:seq_len]
     texts = [" ".join(words[i % 7 :] + words[: i % 7]) for i in range(batch_size)]
-    return [preprocess(model, texts), preprocess(model, texts[::-1])]
+    return [preprocess(model, texts, model.device), preprocess(model, texts[::-1], model.device)]
 
 
 def step(model, loss_fn, features) -> None:
-    features = [{k: v.to(model.device) if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
-    loss_fn(features, None).backward()
+    # Fresh dicts: the model writes its outputs into the features, which must not outlive the step.
+    loss_fn([dict(column) for column in features], None).backward()
     model.zero_grad(set_to_none=True)
 
 

@@ -45,8 +45,7 @@ def batch_texts(batch_size: int) -> list[list[str]]:
 
 
 def features_of(model, columns, device) -> list[dict]:
-    features = [preprocess(model, column) for column in columns]
-    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
+    return [preprocess(model, column, device) for column in columns]
 
 
 def step(model, loss, features) -> None:

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from tiny_models import save_tiny_bert
+from tiny_models import save_tiny_bert, sentence_transformer_from
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,6 +49,20 @@ def tiny_bert6_dir(tmp_path_factory):
 def guide_dir(tmp_path_factory):
     """A tiny BERT with the model's vocabulary and other weights: a guide or teacher that disagrees with it."""
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_guide"), seed=1)
+
+
+@pytest.fixture
+def model(tiny_bert_dir):
+    """A fresh SentenceTransformer over the tiny BERT (tests change its weights and modes)."""
+    return sentence_transformer_from(tiny_bert_dir)
+
+
+@pytest.fixture
+def guide(guide_dir):
+    """A guide over the other tiny BERT, in eval mode."""
+    from loss_checks import guide_from
+
+    return guide_from(guide_dir)
 
 
 @pytest.fixture(scope="session")

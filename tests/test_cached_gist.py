@@ -32,16 +32,6 @@ SETTINGS = [pytest.param(False, 3, id="eval-3-minibatches"), pytest.param(True, 
 COLUMNS = [pytest.param(2, id="pairs"), pytest.param(3, id="hard-negative")]
 
 
-@pytest.fixture
-def model(tiny_bert_dir):
-    return sentence_transformer_from(tiny_bert_dir)
-
-
-@pytest.fixture
-def guide(guide_dir):
-    return guide_from(guide_dir)
-
-
 @pytest.mark.parametrize("train, mini_batch_size", SETTINGS)
 @pytest.mark.parametrize("num_columns", COLUMNS)
 def test_matches_upstream_gist(model, guide, train, mini_batch_size, num_columns):

@@ -25,11 +25,6 @@ DIMS = [32, 16, 8]
 BATCH = 8
 
 
-@pytest.fixture
-def model(tiny_bert_dir):
-    return sentence_transformer_from(tiny_bert_dir)
-
-
 # Dropout off with several mini-batches checks the mini-batching; dropout on with one mini-batch
 # checks that the second forward pass replays the first one's dropout masks.
 SETTINGS = [pytest.param(False, 3, id="eval-3-minibatches"), pytest.param(True, BATCH, id="dropout-replayed")]

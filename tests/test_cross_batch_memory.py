@@ -46,11 +46,6 @@ COLUMNS = [pytest.param(2, id="pairs"), pytest.param(3, id="hard-negative")]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture
-def model(tiny_bert_dir):
-    return sentence_transformer_from(tiny_bert_dir)
-
-
 def fill(loss, columns, labels=None):
     """One training-mode forward, which enqueues the batch; returns the queue as it was before."""
     before = (loss.memory_embeddings, loss.memory_labels)

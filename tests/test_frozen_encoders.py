@@ -31,16 +31,6 @@ DIMS = [32, 16, 8]
 HAS_KL = hasattr(upstream, "DistillKLDivLoss")
 
 
-@pytest.fixture
-def model(tiny_bert_dir):
-    return sentence_transformer_from(tiny_bert_dir)
-
-
-@pytest.fixture
-def guide(guide_dir):
-    return guide_from(guide_dir)
-
-
 def teacher_from(path, max_seq_length: int | None = None):
     teacher = sentence_transformer_from(path).eval()
     if max_seq_length is not None:

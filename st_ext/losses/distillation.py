@@ -26,7 +26,6 @@ spacing. :class:`TeacherLabels` is computed the same way, so it always equals th
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
     as_dataset_list,
+    claim_new_keys,
     combined_row_keys,
     decoded_texts,
     embed_frozen,
@@ -46,6 +46,7 @@ from st_ext.losses.frozen_encoders import (
     frozen_placement,
     module_device,
     retokenizer_for,
+    shares_parameters,
     text_columns,
 )
 from st_ext.losses.gradcache import Features
@@ -179,7 +180,7 @@ class TeacherLabels(KeyedRows):
         retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
         keys: dict[bytes, int] = {}
         chunks: list[Tensor] = []
-        placement = nullcontext() if device is None else frozen_placement(teacher, torch.device(device), True)
+        placement = frozen_placement(teacher, device, offloaded=device is not None)
         run_device = torch.device(device) if device is not None else module_device(teacher)
         datasets = as_dataset_list(datasets)
         with placement, tqdm(
@@ -191,11 +192,7 @@ class TeacherLabels(KeyedRows):
                 for begin in range(0, len(dataset), batch_size):
                     batch = dataset[begin : begin + batch_size]
                     features = [preprocess(model, batch[column], run_device) for column in columns]
-                    new_rows = []
-                    for row, key in enumerate(combined_row_keys(features)):
-                        if key not in keys:
-                            keys[key] = len(keys)
-                            new_rows.append(row)
+                    new_rows = claim_new_keys(keys, combined_row_keys(features))
                     if new_rows:
                         labels = teacher_labels_from_features(teacher, kind, features, retokenize_with, model.tokenizer)
                         chunks.append(labels.cpu()[new_rows])
@@ -312,7 +309,7 @@ def _validate_teacher(loss, teacher, teacher_labels, offload_teacher, kind) -> N
         raise ValueError("offload_teacher=True needs a teacher to offload.")
     if teacher is None:
         return
-    if not {id(p) for p in loss.model.parameters()}.isdisjoint(id(p) for p in teacher.parameters()):
+    if shares_parameters(loss.model, teacher):
         raise ValueError("The teacher shares parameters with the student being trained; use a separate teacher model.")
     check_teacher_kind(teacher, loss, kind)
 
@@ -349,7 +346,7 @@ def precompute_teacher_labels(
         raise ValueError(f"The dataset already has a {label_column!r} column; pass overwrite=True to replace it.")
     check_teacher_kind(teacher, loss, kind)
     teacher.requires_grad_(False).eval()
-    placement = nullcontext() if device is None else offload.on_device(teacher, device)
+    placement = frozen_placement(teacher, device, offloaded=device is not None)
     chunks = []
     with placement, torch.no_grad(), tqdm(
         total=len(dataset), desc="Teacher labels", disable=not show_progress_bar

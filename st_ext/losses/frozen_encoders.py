@@ -78,7 +78,11 @@ def embed_frozen(
         return encoder(features)["sentence_embedding"].to(device)
 
 
-def frozen_placement(encoder: nn.Module, device: torch.device, offloaded: bool):
+def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
+    return not {id(p) for p in first.parameters()}.isdisjoint(id(p) for p in second.parameters())
+
+
+def frozen_placement(encoder: nn.Module, device: str | torch.device | None, offloaded: bool):
     """Where a frozen encoder runs: on ``device`` just for this pass when offloaded, else where it lives."""
     if not offloaded:
         return nullcontext()
@@ -124,6 +128,16 @@ def as_dataset_list(datasets: Any) -> list[Any]:
         return [datasets]
     items = datasets.values() if hasattr(datasets, "values") else datasets
     return [dataset for item in items for dataset in as_dataset_list(item)]
+
+
+def claim_new_keys(keys: dict[bytes, int], batch_keys: Sequence[bytes]) -> list[int]:
+    """Give each key of ``batch_keys`` not yet in ``keys`` the next row number; return the batch rows that got one."""
+    claimed = []
+    for row, key in enumerate(batch_keys):
+        if key not in keys:
+            keys[key] = len(keys)
+            claimed.append(row)
+    return claimed
 
 
 def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:

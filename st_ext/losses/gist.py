@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import numpy as np
@@ -35,11 +34,13 @@ from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
     as_dataset_list,
+    claim_new_keys,
     embed_frozen,
     features_device,
     frozen_placement,
     retokenizer_for,
     select_rows,
+    shares_parameters,
     text_columns,
 )
 from st_ext.losses.gradcache import (
@@ -148,17 +149,12 @@ class GuideEmbeddings(KeyedRows):
         chunks: list[Tensor] = []
         if device is not None:
             guide.requires_grad_(False)
-        placement = nullcontext() if device is None else frozen_placement(guide, torch.device(device), offloaded=True)
-        with placement:
+        with frozen_placement(guide, device, offloaded=device is not None):
             for begin in tqdm(
                 range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
             ):
                 features = preprocess(model, texts[begin : begin + batch_size])
-                new_rows = []
-                for row, key in enumerate(row_token_keys(features)):
-                    if key not in keys:
-                        keys[key] = len(keys)
-                        new_rows.append(row)
+                new_rows = claim_new_keys(keys, row_token_keys(features))
                 if new_rows:
                     selected = select_rows(features, new_rows)
                     chunks.append(embed_frozen(guide, selected, retokenize_with, torch.device("cpu")))
@@ -215,10 +211,7 @@ class GuideEmbeddings(KeyedRows):
             embeddings = torch.as_tensor(np.asarray(precomputed, dtype=np.float32))
             for begin in range(0, len(texts), batch_size):
                 features = preprocess(model, texts[begin : begin + batch_size])
-                for offset, key in enumerate(row_token_keys(features)):
-                    if key not in keys:
-                        keys[key] = len(keys)
-                        rows.append(embeddings[begin + offset])
+                rows.extend(embeddings[begin + offset] for offset in claim_new_keys(keys, row_token_keys(features)))
         return cls(keys, torch.stack(rows))
 
     def lookup(self, features: Features) -> Tensor | None:
@@ -547,10 +540,6 @@ class GISTEmbedLoss(GuidedLoss):
         whole_batch = [[(0, len(column[0]))] for column in reps]
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
         return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
-
-
-def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
-    return not {id(p) for p in first.parameters()}.isdisjoint(id(p) for p in second.parameters())
 
 
 def _validate_gist_arguments(
