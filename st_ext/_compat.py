@@ -5,14 +5,18 @@ st_ext asks this module instead of comparing versions itself. The differences th
 
 * sentence-transformers 5.4 made ``CrossEncoder`` a modular ``nn.Sequential``; before, it was an
   ``nn.Module`` holding the Hugging Face classifier in ``.model``.
-* sentence-transformers 6.0 moved ``sentence_transformers.models`` to
-  ``sentence_transformers.sentence_transformer.modules`` (the old path warns).
+* sentence-transformers 5.4 moved ``sentence_transformers.losses`` to
+  ``sentence_transformers.sentence_transformer.losses`` and 6.0 moved ``sentence_transformers.models``
+  to ``sentence_transformers.sentence_transformer.modules`` (the old paths warn).
 * Losses: 6.x marks losses that back-propagate from a hook with ``uses_gradient_cache`` (older
   releases are recognised by class), ``util.all_gather_with_grad`` exists only in newer releases,
   and 6.x's non-cached losses may embed all input columns in one merged forward pass.
-* transformers 5 renamed ``gradient_checkpointing_enable/disable`` to
-  ``activation_checkpointing_enable/disable`` (the old names warn) and defaults ``use_reentrant``
-  to False; transformers 4 only has the old names and defaults ``use_reentrant`` to True.
+* Archetypes: ``SparseEncoder`` (with its trainer and training arguments) arrived in 5.0,
+  ``MultiVectorEncoder`` in 6.0; :func:`missing_archetype_error` says which release a name needs.
+* transformers 5 renamed ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing``
+  to ``activation_checkpointing_enable/disable`` and ``is_activation_checkpointing`` (the old names
+  warn that they "will be removed in v6") and defaults ``use_reentrant`` to False; transformers 4
+  only has the old names and defaults ``use_reentrant`` to True.
 """
 
 from __future__ import annotations
@@ -49,6 +53,36 @@ CROSS_ENCODER_IS_MODULAR = ST_VERSION >= Version("5.4.0")
 #: transformers' own name for the checkpointing switch (transformers 5 deprecates the old one).
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 
+#: The first sentence-transformers release of each archetype beyond SentenceTransformer and CrossEncoder.
+ARCHETYPE_SINCE = {"SparseEncoder": Version("5.0.0"), "MultiVectorEncoder": Version("6.0.0")}
+HAS_SPARSE_ENCODER = ST_VERSION >= ARCHETYPE_SINCE["SparseEncoder"]
+HAS_MULTI_VECTOR_ENCODER = ST_VERSION >= ARCHETYPE_SINCE["MultiVectorEncoder"]
+#: Each public name an archetype brings (model, trainer, training arguments), with its archetype.
+ARCHETYPE_OF_NAME = {
+    archetype + suffix: archetype for archetype in ARCHETYPE_SINCE for suffix in ("", "Trainer", "TrainingArguments")
+}
+
+
+def missing_archetype_error(name: str) -> ImportError | None:
+    """The ImportError for ``name`` when it belongs to an archetype the installed release lacks, else None."""
+    archetype = ARCHETYPE_OF_NAME.get(name)
+    if archetype is None or ST_VERSION >= ARCHETYPE_SINCE[archetype]:
+        return None
+    since = ARCHETYPE_SINCE[archetype]
+    return ImportError(
+        f"{name} needs sentence-transformers >= {since} (where {archetype} first appeared); "
+        f"sentence-transformers {ST_VERSION} is installed. "
+        f"Upgrade with: pip install -U 'sentence-transformers>={since}'",
+        name=name,
+    )
+
+
+def upstream_model_classes() -> tuple[type, ...]:
+    """The installed release's model classes: containers whose Hugging Face models st_ext switches itself."""
+    names = ["SentenceTransformer", "CrossEncoder"]
+    names += [archetype for archetype, since in ARCHETYPE_SINCE.items() if ST_VERSION >= since]
+    return tuple(getattr(sentence_transformers, name) for name in names)
+
 
 def st_modules() -> ModuleType:
     """The module namespace holding ``Transformer``, ``Pooling``, ``StaticEmbedding``, ``Asym``…"""
@@ -58,7 +92,9 @@ def st_modules() -> ModuleType:
 
 
 def st_losses() -> ModuleType:
-    """The upstream ``losses`` namespace for SentenceTransformer models."""
+    """The upstream ``losses`` namespace for SentenceTransformer models (5.4 moved it; the old path warns)."""
+    if ST_VERSION >= Version("5.4.0"):
+        return importlib.import_module("sentence_transformers.sentence_transformer.losses")
     return importlib.import_module("sentence_transformers.losses")
 
 
@@ -98,10 +134,18 @@ def hf_checkpointing_enable(model: transformers.PreTrainedModel, checkpoint_kwar
 
 
 def hf_checkpointing_disable(model: transformers.PreTrainedModel) -> None:
+    """Switch checkpointing off in a Hugging Face model by the name its transformers version prefers."""
     if HF_HAS_ACTIVATION_CHECKPOINTING:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
+
+
+def hf_is_checkpointing(model: transformers.PreTrainedModel) -> bool:
+    """Whether a Hugging Face model checkpoints, read by the name its transformers version prefers."""
+    if HF_HAS_ACTIVATION_CHECKPOINTING:
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
 
 
 def accepted_kwargs(function, kwargs: dict) -> dict:

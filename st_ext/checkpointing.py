@@ -5,77 +5,125 @@ Face models somewhere inside (a ``Transformer`` module, the classifier of a ``Cr
 route of a ``Router``/``Asym``), or in custom modules that follow the same convention. These
 functions find those *checkpointable* modules and switch them together:
 
-1. :func:`checkpointable_modules` walks the tree and keeps the outermost module that can checkpoint
-   on each branch: a Hugging Face model that declares ``supports_gradient_checkpointing``, or any
-   other module with a ``gradient_checkpointing_enable`` method.
-2. :func:`enable` / :func:`disable` call each of them with the arguments it accepts;
-   ``use_reentrant=False`` is the default unless the caller says otherwise (the re-entrant variant
-   breaks with DDP and with inputs that do not require grad).
+1. :func:`survey` walks the tree and keeps the outermost module that can checkpoint on each branch:
+   a Hugging Face model that declares ``supports_gradient_checkpointing``, or any other module with
+   an ``activation_checkpointing_enable``/``gradient_checkpointing_enable`` method. sentence-transformers
+   models met on the way are walked through rather than called (their own methods reach only part of
+   the tree in some releases, and use transformers' deprecated names in others). A module that
+   declares ``supports_gradient_checkpointing = False`` is skipped, as sentence-transformers 6.x does.
+2. :func:`enable` / :func:`disable` call each of them with the arguments it accepts, by the name
+   its transformers version prefers; ``use_reentrant=False`` is the default unless the caller says
+   otherwise (the re-entrant variant breaks with DDP and with inputs that do not require grad).
 3. :func:`is_enabled` reports whether any of them currently checkpoints.
 
-A tree with nothing checkpointable is an error, never a silent no-op.
+A tree with nothing to checkpoint (say a ``StaticEmbedding`` alone) is not an error: upstream
+skips it there, so :func:`enable` logs a warning naming what the tree holds and the model trains
+without checkpointing. The one request refused is switching off a custom module that can only be
+switched on.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from st_ext import _compat
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_CHECKPOINT_KWARGS = {"use_reentrant": False}
 
 
 class CheckpointingNotSupportedError(ValueError):
-    """The model holds no module that can checkpoint its activations."""
+    """A checkpointing request that cannot be honoured (a module that can be switched on but never off)."""
 
 
-def checkpointable_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost checkpointable modules below ``root``, with their dotted names."""
-    found: list[tuple[str, nn.Module]] = []
+@dataclass
+class Survey:
+    """What :func:`survey` found below a root: the modules to switch, and those that declined."""
+
+    targets: list[tuple[str, nn.Module]] = field(default_factory=list)
+    declined: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+
+def survey(root: nn.Module) -> Survey:
+    """The outermost checkpointable modules below ``root``, and the modules that declare they cannot checkpoint
+    (with nothing checkpointable inside them), each with its dotted name."""
+    result = Survey()
     seen: set[int] = set()
+    containers = _compat.upstream_model_classes()
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module) -> int:
+        found_before = len(result.targets)
         for name, child in module.named_children():
             if id(child) in seen:
                 continue
             seen.add(id(child))
             path = f"{prefix}.{name}" if prefix else name
-            if _can_checkpoint(child):
-                found.append((path, child))
-            else:
-                visit(path, child)
+            if not isinstance(child, containers) and _can_checkpoint(child):
+                result.targets.append((path, child))
+            elif visit(path, child) == 0 and _declines(child):
+                result.declined.append((path, child))
+        return len(result.targets) - found_before
 
     visit("", root)
-    return found
+    return result
+
+
+def checkpointable_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost checkpointable modules below ``root``, with their dotted names."""
+    return survey(root).targets
+
+
+def _has_switch(module: nn.Module) -> bool:
+    return callable(getattr(module, "activation_checkpointing_enable", None)) or callable(
+        getattr(module, "gradient_checkpointing_enable", None)
+    )
+
+
+def _declines(module: nn.Module) -> bool:
+    """Whether ``module`` has a checkpointing switch but declares ``supports_gradient_checkpointing = False``."""
+    return _has_switch(module) and getattr(module, "supports_gradient_checkpointing", True) is False
 
 
 def _can_checkpoint(module: nn.Module) -> bool:
     if _compat.is_hf_model(module):
         # A wrapper that declines (e.g. some *ForRetrieval heads) may still hold a model that supports it.
         return bool(getattr(module, "supports_gradient_checkpointing", False))
-    return callable(getattr(module, "gradient_checkpointing_enable", None))
+    return _has_switch(module) and not _declines(module)
 
 
-def _require_checkpointable(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    targets = checkpointable_modules(root)
-    if not targets:
-        module_types = sorted({type(m).__name__ for m in root.modules() if m is not root}) or ["no submodules"]
-        raise CheckpointingNotSupportedError(
-            f"{type(root).__name__} has no module that supports gradient checkpointing "
-            f"(it contains: {', '.join(module_types)}). Checkpointing needs a Hugging Face model "
-            "with supports_gradient_checkpointing=True (e.g. a models.Transformer) or a custom module "
-            "that defines gradient_checkpointing_enable(); train without gradient_checkpointing otherwise."
+def _describe(modules: list[tuple[str, nn.Module]]) -> str:
+    return ", ".join(f"'{name}' ({type(module).__name__})" for name, module in modules)
+
+
+def _warn_about_skipped(root: nn.Module, found: Survey) -> None:
+    """Say which modules get no checkpointing; upstream skips them too (6.x with a warning, 4.x silently)."""
+    if found.declined:
+        logger.warning(
+            "Gradient checkpointing skips %s: they declare supports_gradient_checkpointing=False.",
+            _describe(found.declined),
         )
-    return targets
+    if not found.targets:
+        contents = sorted({type(m).__name__ for m in root.modules() if m is not root}) or ["no submodules"]
+        logger.warning(
+            "%s has no module that can checkpoint its activations (it contains: %s); it runs without gradient "
+            "checkpointing. Checkpointing needs a Hugging Face model with supports_gradient_checkpointing=True "
+            "(e.g. inside a Transformer module) or a custom module defining gradient_checkpointing_enable().",
+            type(root).__name__,
+            ", ".join(contents),
+        )
 
 
 def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any) -> list[str]:
     """Turn checkpointing on in every checkpointable module below ``root``; returns their names.
 
     ``checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint``; ``extra`` (such as
-    transformers 5's ``every_n_layers``) is forwarded to the modules that accept it.
+    transformers 5's ``every_n_layers``) is forwarded to the modules that accept it. Modules that
+    cannot checkpoint are skipped with a logged warning, never an error.
     """
     if checkpoint_kwargs is not None and not isinstance(checkpoint_kwargs, dict):
         raise TypeError(
@@ -83,37 +131,51 @@ def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any)
             f"got {type(checkpoint_kwargs).__name__}."
         )
     kwargs = {**DEFAULT_CHECKPOINT_KWARGS, **(checkpoint_kwargs or {})}
-    targets = _require_checkpointable(root)
-    for _, module in targets:
+    found = survey(root)
+    _warn_about_skipped(root, found)
+    for _, module in found.targets:
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_enable(module, dict(kwargs), **extra)
         else:
             _enable_custom(module, kwargs, extra)
-    return [name for name, _ in targets]
+    return [name for name, _ in found.targets]
 
 
 def _enable_custom(module: nn.Module, kwargs: dict, extra: dict) -> None:
-    """Call a custom module's ``gradient_checkpointing_enable`` with whatever it accepts (maybe nothing)."""
-    method = module.gradient_checkpointing_enable
-    call_kwargs = _compat.accepted_kwargs(method, {**extra, "gradient_checkpointing_kwargs": dict(kwargs)})
-    method(**call_kwargs)
+    """Call a custom module's switch with whatever it accepts (maybe nothing), preferring transformers 5's name."""
+    method = getattr(module, "activation_checkpointing_enable", None)
+    keyword = "activation_checkpointing_kwargs"
+    if not callable(method):
+        method, keyword = module.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+    method(**_compat.accepted_kwargs(method, {**extra, keyword: dict(kwargs)}))
 
 
 def disable(root: nn.Module) -> list[str]:
-    """Turn checkpointing off everywhere :func:`enable` turns it on; returns the module names."""
-    targets = _require_checkpointable(root)
+    """Turn checkpointing off everywhere :func:`enable` turns it on; returns the module names.
+
+    With nothing to switch off this does nothing. A custom module that can be switched on but has no
+    way to be switched off raises :class:`CheckpointingNotSupportedError`: it would go on checkpointing.
+    """
+    targets = checkpointable_modules(root)
     for name, module in targets:
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_disable(module)
-        elif callable(getattr(module, "gradient_checkpointing_disable", None)):
-            module.gradient_checkpointing_disable()
         else:
-            raise CheckpointingNotSupportedError(
-                f"Module '{name}' ({type(module).__name__}) defines gradient_checkpointing_enable() but no "
-                "gradient_checkpointing_disable(), so checkpointing cannot be switched off there. "
-                "Add gradient_checkpointing_disable() to that module."
-            )
+            _disable_custom(name, module)
     return [name for name, _ in targets]
+
+
+def _disable_custom(name: str, module: nn.Module) -> None:
+    for method_name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        method = getattr(module, method_name, None)
+        if callable(method):
+            method()
+            return
+    raise CheckpointingNotSupportedError(
+        f"Module '{name}' ({type(module).__name__}) defines gradient_checkpointing_enable() but no "
+        "gradient_checkpointing_disable(), so checkpointing cannot be switched off there. "
+        "Add gradient_checkpointing_disable() to that module."
+    )
 
 
 def is_enabled(root: nn.Module) -> bool:
@@ -122,8 +184,10 @@ def is_enabled(root: nn.Module) -> bool:
 
 
 def _module_checkpoints(module: nn.Module) -> bool:
-    if not _compat.is_hf_model(module):
-        declared = getattr(module, "is_gradient_checkpointing", None)
+    if _compat.is_hf_model(module):
+        return _compat.hf_is_checkpointing(module)
+    for flag_name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        declared = getattr(module, flag_name, None)
         if isinstance(declared, bool):
             return declared
     # The transformers convention, in every version: layers carry a boolean `gradient_checkpointing`.

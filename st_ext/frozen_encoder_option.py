@@ -1,5 +1,7 @@
 """``SentenceTransformerTrainer(frozen_encoders=...)``: guides and teachers resident, offloaded or precomputed.
 
+(``SparseEncoderTrainer`` and ``MultiVectorEncoderTrainer`` take ``"resident"`` only: see :func:`require_resident`.)
+
 * ``"resident"`` (default): as upstream; frozen encoders stay on the training device.
 * ``"offload"``: each stays on the CPU and visits the training device only for its no-grad pass.
 * ``"precompute"``: each loss holding one computes its outputs for every row of the datasets it
@@ -33,6 +35,26 @@ _UPSTREAM_GUIDED = ("GISTEmbedLoss", "CachedGISTEmbedLoss")
 def validate_frozen_encoder_mode(mode: str) -> str:
     if mode not in FROZEN_ENCODER_MODES:
         raise ValueError(f"frozen_encoders must be one of {', '.join(map(repr, FROZEN_ENCODER_MODES))}; got {mode!r}.")
+    return mode
+
+
+def require_resident(mode: str, trainer_name: str) -> str:
+    """Accept only ``"resident"``: for trainers whose upstream losses hold no frozen encoder.
+
+    sentence-transformers' sparse and multi-vector distillation losses (``SparseMarginMSELoss``,
+    ``SparseDistillKLDivLoss``, ``MultiVectorMarginMSELoss``, ``MultiVectorDistillKLDivLoss``) read the
+    teacher's scores from a label column, and those archetypes have no guided (GIST) loss: there is no
+    encoder in the loss to offload or precompute, so any other mode would silently do nothing.
+    """
+    validate_frozen_encoder_mode(mode)
+    if mode != "resident":
+        raise ValueError(
+            f"{trainer_name} accepts only frozen_encoders='resident'; got {mode!r}. The option covers "
+            "SentenceTransformerTrainer's GIST guides and distillation teachers only: sentence-transformers' "
+            "sparse and multi-vector distillation losses take the teacher's scores as labels, with no teacher "
+            "model in the loss. Compute the labels with the teacher before training, then free it with "
+            "st_ext.offload.release(teacher)."
+        )
     return mode
 
 

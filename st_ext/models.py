@@ -1,8 +1,11 @@
-"""``SentenceTransformer`` and ``CrossEncoder`` with complete checkpointing switches.
+"""Every upstream model archetype with complete checkpointing switches.
 
-They are the upstream classes (same constructor, loading and saving: a saved model holds only
-upstream module classes, so plain sentence-transformers loads it) plus :class:`CheckpointingMixin`,
-which adds the methods upstream lacks in some part of the supported range:
+``SentenceTransformer`` and ``CrossEncoder`` on every supported release, ``SparseEncoder`` from
+sentence-transformers 5.0 and ``MultiVectorEncoder`` from 6.0 (on older releases importing them
+raises an ImportError naming the release they need). Each is the upstream class (same constructor,
+loading and saving: a saved model holds only upstream module classes, so plain sentence-transformers
+loads it) plus :class:`CheckpointingMixin`, which adds the methods upstream lacks in some part of the
+supported range:
 
 * ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing`` (the names of
   transformers 4's Trainer; CrossEncoder had none before sentence-transformers 5.0, and no release
@@ -10,7 +13,8 @@ which adds the methods upstream lacks in some part of the supported range:
 * ``activation_checkpointing_enable/disable`` and ``is_activation_checkpointing`` (the names
   transformers 5's Trainer calls first),
 
-all reaching every Hugging Face model in the tree (see :mod:`st_ext.checkpointing`).
+all reaching every Hugging Face model in the tree (see :mod:`st_ext.checkpointing`), by the names
+the installed transformers prefers (never its deprecated ones).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import sentence_transformers
 
-from st_ext import checkpointing
+from st_ext import _compat, checkpointing
 
 
 class CheckpointingMixin:
@@ -54,3 +58,23 @@ class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTran
 
 class CrossEncoder(CheckpointingMixin, sentence_transformers.CrossEncoder):
     """Upstream ``CrossEncoder`` with checkpointing over its classifier model, on every supported version."""
+
+
+if _compat.HAS_SPARSE_ENCODER:
+
+    class SparseEncoder(CheckpointingMixin, sentence_transformers.SparseEncoder):
+        """Upstream ``SparseEncoder`` (SPLADE, CSR…) with checkpointing over its MLM or encoder model."""
+
+
+if _compat.HAS_MULTI_VECTOR_ENCODER:
+
+    class MultiVectorEncoder(CheckpointingMixin, sentence_transformers.MultiVectorEncoder):
+        """Upstream ``MultiVectorEncoder`` (ColBERT-style late interaction) with checkpointing over its encoder."""
+
+
+def __getattr__(name: str):
+    """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
+    error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
+    if error is not None:
+        raise error
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,17 @@
 """Trainers with the upstream signatures whose ``gradient_checkpointing=True`` works on any model.
 
+One per upstream archetype: ``SentenceTransformerTrainer`` and ``CrossEncoderTrainer`` on every
+supported release, ``SparseEncoderTrainer`` from sentence-transformers 5.0, ``MultiVectorEncoderTrainer``
+from 6.0.
+
 The Hugging Face Trainer switches checkpointing on by calling a method on the model: transformers 4
 calls ``gradient_checkpointing_enable``, which a sentence-transformers 4.x ``CrossEncoder`` lacks
 (``AttributeError``); transformers 5 prefers ``activation_checkpointing_enable``, which no
-sentence-transformers release defines (a deprecation warning, then the old name). st_ext's trainers
-lend st_ext's switches (:class:`st_ext.models.CheckpointingMixin`) to a plain upstream model for the
-duration of ``train()`` and take them back afterwards, so the user's model object ends as it began,
-apart from the checkpointing state it asked for.
+sentence-transformers release defines (a warning that the old name "will no longer be called in v6",
+then the old name, whose transformers implementation warns again). st_ext's trainers lend st_ext's
+switches (:class:`st_ext.models.CheckpointingMixin`) to a plain upstream model for the duration of
+``train()`` and take them back afterwards, so the user's model object ends as it began, apart from
+the checkpointing state it asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Iterator
 import sentence_transformers
 from torch import nn
 
+from st_ext import _compat
 from st_ext.ddp_fixes import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.models import CheckpointingMixin
 
@@ -139,3 +145,45 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
 
 class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.CrossEncoderTrainer):
     """Upstream ``CrossEncoderTrainer``; ``gradient_checkpointing=True`` works on every supported version."""
+
+
+class ResidentFrozenEncodersMixin:
+    """``frozen_encoders=`` for trainers whose upstream losses hold no frozen encoder: ``"resident"`` only.
+
+    Accepted so that one training script can pass the option to any st_ext trainer; any other mode
+    raises (see :func:`st_ext.frozen_encoder_option.require_resident`).
+    """
+
+    def __init__(self, *args, frozen_encoders: str = "resident", **kwargs):
+        from st_ext.frozen_encoder_option import require_resident
+
+        require_resident(frozen_encoders, type(self).__name__)
+        super().__init__(*args, **kwargs)
+        self.frozen_encoders = frozen_encoders
+        self.frozen_encoder_reports = []
+
+
+if _compat.HAS_SPARSE_ENCODER:
+
+    class SparseEncoderTrainer(
+        ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.SparseEncoderTrainer
+    ):
+        """Upstream ``SparseEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
+        transformers' current method names."""
+
+
+if _compat.HAS_MULTI_VECTOR_ENCODER:
+
+    class MultiVectorEncoderTrainer(
+        ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.MultiVectorEncoderTrainer
+    ):
+        """Upstream ``MultiVectorEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
+        transformers' current method names."""
+
+
+def __getattr__(name: str):
+    """Name the sentence-transformers release an archetype's trainer needs when the installed one lacks it."""
+    error = _compat.missing_archetype_error(name) if name.endswith("Trainer") else None
+    if error is not None:
+        raise error
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

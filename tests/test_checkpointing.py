@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import sentence_transformers
 import torch
 from torch import nn
 
-from st_ext import CrossEncoder, SentenceTransformer, checkpointing
+from st_ext import CrossEncoder, SentenceTransformer, _compat, checkpointing
 from st_ext._compat import preprocess, st_modules
 from st_ext.checkpointing import CheckpointingNotSupportedError
 from st_ext.memory import measure_peak
@@ -105,11 +108,17 @@ def test_every_route_of_an_asymmetric_model(tiny_bert_dir):
     assert not any(checkpointing.is_enabled(t) for t in (query, document))
 
 
-def test_nested_model_inside_a_plain_container(tiny_bert_dir):
-    inner = sentence_transformer_from(tiny_bert_dir)
+@pytest.mark.parametrize("model_class", [SentenceTransformer, sentence_transformers.SentenceTransformer])
+def test_nested_model_inside_a_plain_container(tiny_bert_dir, model_class):
+    """A sentence-transformers model inside a container is walked through, not asked to switch itself:
+    upstream's own method has no disable (and uses transformers' deprecated names on 6.x)."""
+    inner = sentence_transformer_from(tiny_bert_dir, model_class=model_class)
     container = nn.ModuleDict({"encoder": inner, "head": nn.Linear(32, 2)})
-    assert checkpointing.enable(container) == ["encoder"]
-    assert inner.is_gradient_checkpointing
+    [name] = checkpointing.enable(container)
+    assert name.startswith("encoder.0.") and _compat.is_hf_model(container.get_submodule(name))
+    assert checkpointing.is_enabled(inner)
+    assert checkpointing.disable(container) == [name]
+    assert not checkpointing.is_enabled(inner)
 
 
 class NoArgumentCheckpointing(nn.Module):
@@ -148,13 +157,52 @@ def test_custom_module_without_disable_is_reported():
         checkpointing.disable(nn.Sequential(module))
 
 
-def test_model_without_checkpointable_modules_names_them():
+def checkpointing_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == checkpointing.__name__ and r.levelno == logging.WARNING]
+
+
+def static_embedding_model(model_class=SentenceTransformer, behind_router: bool = False):
     modules = st_modules()
     static = modules.StaticEmbedding(_static_tokenizer(), embedding_dim=8)
-    model = SentenceTransformer(modules=[static], device="cpu")
-    with pytest.raises(CheckpointingNotSupportedError, match="StaticEmbedding"):
-        model.gradient_checkpointing_enable()
-    assert not model.is_gradient_checkpointing
+    first = modules.Asym({"query": [static], "doc": [static]}) if behind_router else static
+    return model_class(modules=[first], device="cpu")
+
+
+@pytest.mark.parametrize("behind_router", [False, True], ids=["alone", "behind_router"])
+def test_model_with_nothing_to_checkpoint_warns_naming_its_modules(caplog, behind_router):
+    """Upstream (4.1.0 and 6.2.0 alike) returns without checkpointing here; st_ext does too, but says so."""
+    static_embedding_model(sentence_transformers.SentenceTransformer, behind_router).gradient_checkpointing_enable()
+    model = static_embedding_model(behind_router=behind_router)
+    with caplog.at_level(logging.WARNING, logger=checkpointing.__name__):
+        assert model.gradient_checkpointing_enable() is None
+    [message] = checkpointing_warnings(caplog)
+    assert "StaticEmbedding" in message and "without gradient checkpointing" in message
+    assert ("Asym" in message or "Router" in message) == behind_router
+    assert not model.is_gradient_checkpointing and not model.is_activation_checkpointing
+    caplog.clear()
+    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
+    assert checkpointing_warnings(caplog) == []
+
+
+def test_module_declining_checkpointing_is_skipped_with_a_warning(tiny_bert_dir, caplog):
+    """A Hugging Face model declaring supports_gradient_checkpointing=False makes transformers raise
+    (and upstream 4.1.0 with it); 6.x skips it with a warning, and so does st_ext, on every version."""
+    modules = st_modules()
+    declining = modules.Transformer(str(tiny_bert_dir), max_seq_length=32)
+    hf_declining = next(m for m in declining.modules() if _compat.is_hf_model(m))
+    hf_declining.supports_gradient_checkpointing = False
+    with pytest.raises(ValueError, match="does not support"):
+        _compat.hf_checkpointing_enable(hf_declining, {})
+    supporting = modules.Transformer(str(tiny_bert_dir), max_seq_length=32)
+    router = modules.Asym({"query": [declining], "doc": [supporting]})
+    model = SentenceTransformer(modules=[router, modules.Pooling(32)], device="cpu")
+    with caplog.at_level(logging.WARNING, logger=checkpointing.__name__):
+        [name] = checkpointing.enable(model)
+    [message] = checkpointing_warnings(caplog)
+    assert type(hf_declining).__name__ in message and "supports_gradient_checkpointing=False" in message
+    assert model.get_submodule(name) is not hf_declining
+    assert checkpointing.is_enabled(supporting) and not checkpointing.is_enabled(declining)
 
 
 def test_kwargs_must_be_a_dict(tiny_bert_dir):

@@ -117,7 +117,7 @@ def test_precompute_extends_a_table_the_loss_already_has(model, guide):
 
 
 def test_gist_without_guide_or_table_is_refused(model):
-    with pytest.raises(ValueError, match="needs a guide model, or precomputed guide_embeddings"):
+    with pytest.raises(TypeError, match="needs a guide model, or precomputed guide_embeddings"):
         losses.GISTEmbedLoss(model)
     with pytest.raises(ValueError, match="shares its parameters"):
         losses.GISTEmbedLoss(model, model, offload_guide=True)

@@ -233,11 +233,19 @@ def test_unknown_metric_is_exact_and_warns_with_memory():
     torch.testing.assert_close(value, expected)
 
 
-def test_upstream_attribute_names_and_config():
-    loss = triplet.BatchAllTripletLoss(Rows(), margin=2)
+@pytest.mark.parametrize("loss_name", LOSS_NAMES)
+def test_upstream_attribute_names_and_config(loss_name):
+    """Upstream's defaults and attribute names; a config only where upstream's class has one (5.x+)."""
+    loss, reference = getattr(triplet, loss_name)(Rows(), margin=2), getattr(upstream, loss_name)(Rows(), margin=2)
+    assert loss.distance_metric is reference.distance_metric
     loss.triplet_margin = 3
     assert loss.margin == 3 and loss.sentence_embedder is loss.model
-    assert loss.get_config_dict() == {"distance_metric": "euclidean_distance", "margin": 3}
+    assert hasattr(loss, "get_config_dict") == hasattr(reference, "get_config_dict")
+    if hasattr(reference, "get_config_dict"):
+        for margin_name in ("margin", "triplet_margin"):
+            if hasattr(reference, margin_name):
+                setattr(reference, margin_name, 3)
+        assert loss.get_config_dict() == reference.get_config_dict()
 
 
 @pytest.mark.parametrize(

@@ -4,16 +4,23 @@
 loss name is here. These differ from upstream:
 
 * :class:`MatryoshkaLoss`: over cached losses, backward one mini-batch at a time, memory independent
-  of the number of dimensions, and the wrapped loss is never modified.
+  of the number of dimensions, and the wrapped loss is never modified; any other loss runs through
+  upstream's implementation.
 * :class:`GISTEmbedLoss`, :class:`CachedGISTEmbedLoss`: the guide can be offloaded, or replaced by
   :class:`GuideEmbeddings` computed before training.
 * :class:`DistillationLoss`: labels of ``MSELoss``, ``MarginMSELoss`` or ``DistillKLDivLoss`` from a
   teacher that is live, offloaded between uses, or precomputed (:class:`TeacherLabels`) and released.
-* :class:`AdaptiveLayerLoss`, :class:`Matryoshka2dLoss`: refuse cached losses with an explanation.
+* ``AdaptiveLayerLoss``, ``Matryoshka2dLoss``: upstream's classes, as they are (over a cached loss
+  they warn and run, as upstream does).
 * :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`, :class:`BatchSemiHardTripletLoss`: the
   same values as upstream's without B×B×B tensors; they also accept a memory of reference embeddings.
 * :class:`CrossBatchMemoryLoss`: a FIFO queue of earlier steps' embeddings as extra negatives or references.
 * :func:`build_loss` / :func:`known_losses`: short names for the command line.
+
+Each class that replaces an upstream namesake takes upstream's positional arguments in the
+installed release's order (st_ext's own options are keyword-only), raises and warns as upstream
+does, and appears in the model card under upstream's name, documentation link and parameters
+(:mod:`st_ext.losses._signatures`).
 """
 
 from st_ext._compat import st_losses as _st_losses
@@ -25,12 +32,11 @@ globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NA
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatchMemoryLoss  # noqa: E402
 from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
-from st_ext.losses.matryoshka import AdaptiveLayerLoss, Matryoshka2dLoss, MatryoshkaLoss  # noqa: E402
+from st_ext.losses.matryoshka import MatryoshkaLoss  # noqa: E402
 from st_ext.losses.registry import build_loss, known_losses  # noqa: E402
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss  # noqa: E402
 
 ST_EXT_LOSSES = [
-    "AdaptiveLayerLoss",
     "BatchAllTripletLoss",
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
@@ -40,7 +46,6 @@ ST_EXT_LOSSES = [
     "DistillationLoss",
     "GISTEmbedLoss",
     "GuideEmbeddings",
-    "Matryoshka2dLoss",
     "MatryoshkaLoss",
     "TeacherLabels",
     "build_loss",

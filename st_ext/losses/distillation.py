@@ -221,6 +221,41 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
             its no-grad pass in each step.
 
     The dataset must have no label column: the labels come from the teacher.
+
+    References:
+        - MarginMSE (cross-architecture distillation): https://huggingface.co/papers/2010.02666
+        - Making monolingual sentence embeddings multilingual (MSE): https://huggingface.co/papers/2004.09813
+
+    Inputs:
+        +---------------------------------------------+-------------------------+--------+
+        | Wrapped loss                                | Texts                   | Labels |
+        +=============================================+=========================+========+
+        | ``MSELoss``                                 | sentence_1, ... (the    | none   |
+        |                                             | teacher embeds the      |        |
+        |                                             | first; all learn it)    |        |
+        +---------------------------------------------+-------------------------+--------+
+        | ``MarginMSELoss``                           | (query, positive,       | none   |
+        |                                             | negative_1, ...)        |        |
+        +---------------------------------------------+-------------------------+--------+
+        | ``DistillKLDivLoss`` (5.x or newer)         | (query, positive,       | none   |
+        |                                             | negative_1, ...)        |        |
+        +---------------------------------------------+-------------------------+--------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import CrossEncoder, SentenceTransformer, SentenceTransformerTrainer, losses
+
+            student = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            teacher = CrossEncoder("cross-encoder/ms-marco-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "query": ["what is the capital of France?"],
+                "positive": ["Paris is the capital of France."],
+                "negative": ["Berlin is the capital of Germany."],
+            })
+            loss = losses.DistillationLoss(losses.MarginMSELoss(student), teacher, offload_teacher=True)
+            SentenceTransformerTrainer(model=student, train_dataset=train_dataset, loss=loss).train()
     """
 
     encoder_attribute = "teacher"
@@ -285,14 +320,15 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         self.teacher_labels = table if self.teacher_labels is None else self.teacher_labels.extended_with(table)
 
     def get_config_dict(self) -> dict[str, Any]:
+        """The wrapped loss and its parameters, the teacher (as upstream's GIST cards list their guide),
+        and ``teacher_labels``/``offload_teacher`` only when they are in use."""
         config = self.loss.get_config_dict() if hasattr(self.loss, "get_config_dict") else {}
-        return {
-            "loss": type(self.loss).__name__,
-            **config,
-            "teacher": self.teacher,
-            "teacher_labels": None if self.teacher_labels is None else repr(self.teacher_labels),
-            "offload_teacher": self.offload_teacher,
-        }
+        config = {"loss": type(self.loss).__name__, **config, "teacher": self.teacher}
+        if self.teacher_labels is not None:
+            config["teacher_labels"] = repr(self.teacher_labels)
+        if self.offload_teacher:
+            config["offload_teacher"] = True
+        return config
 
     @property
     def citation(self) -> str | None:

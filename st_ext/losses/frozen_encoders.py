@@ -20,7 +20,14 @@ from transformers import PreTrainedTokenizerBase
 
 from st_ext import offload
 from st_ext._compat import preprocess
-from st_ext.losses.gradcache import Features, row_token_keys, slice_minibatch
+from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses import it from here)
+    Features,
+    reads_flattened,
+    row_token_ids,
+    row_token_keys,
+    select_rows,
+    to_padded,
+)
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
 
@@ -57,7 +64,7 @@ def features_device(features: Features) -> torch.device:
 
 def decoded_texts(features: Features, tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """The texts of a column's rows, as ``tokenizer`` decodes their ids (special tokens dropped)."""
-    return tokenizer.batch_decode(features["input_ids"], skip_special_tokens=True)
+    return tokenizer.batch_decode([ids.tolist() for ids in row_token_ids(features)], skip_special_tokens=True)
 
 
 def embed_frozen(
@@ -66,11 +73,14 @@ def embed_frozen(
     """``encoder``'s embeddings of one batch of the model's features, returned on ``device``.
 
     The encoder gets its own copy of the features: modules write their outputs into the dict they
-    are given, and the model's forward pass may reuse it.
+    are given, and the model's forward pass may reuse it. Flattened features are padded for an
+    encoder that does not read them (say a guide without flash-attention).
     """
     encoder_device = module_device(encoder)
     if retokenize_with is not None:
         features = preprocess(encoder, decoded_texts(features, retokenize_with))
+    elif not reads_flattened(encoder):
+        features = to_padded(features, getattr(getattr(encoder, "tokenizer", None), "pad_token_id", None) or 0)
     features = {
         key: value.to(encoder_device) if isinstance(value, Tensor) else value for key, value in features.items()
     }
@@ -98,16 +108,6 @@ def hold_outside_module_tree(owner: nn.Module, name: str, encoder: nn.Module) ->
     owner._modules.pop(name, None)
     encoder.requires_grad_(False)
     object.__setattr__(owner, name, encoder)
-
-
-def select_rows(features: Features, rows: list[int]) -> Features:
-    """The given rows of a column's features, trimmed of padding they all share."""
-    index = torch.tensor(rows, dtype=torch.long)
-    picked = {
-        key: value[index.to(value.device)] if isinstance(value, Tensor) and value.ndim >= 1 else value
-        for key, value in features.items()
-    }
-    return slice_minibatch(picked, 0, len(rows))
 
 
 def text_columns(dataset: Any) -> list[str]:

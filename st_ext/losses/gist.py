@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from st_ext import offload
-from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_modules
+from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
+from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
@@ -47,34 +48,16 @@ from st_ext.losses.gradcache import (
     Features,
     Ranges,
     Reps,
+    batch_size_of,
     chunked_rows,
+    embeds_with_static_embedding,
     gradcache_forward,
     row_token_keys,
     slice_minibatch,
     validate_mini_batching,
 )
 
-GIST_CITATION = """
-@misc{solatorio2024gistembed,
-    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
-    author={Aivin V. Solatorio},
-    year={2024},
-    eprint={2402.16829},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
-
-GRADCACHE_CITATION = """
-@misc{gao2021scaling,
-    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
-    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
-    year={2021},
-    eprint={2101.06983},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
+_upstream = st_losses()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,46 +263,51 @@ def gist_loss(
         model_side = model_side[:1] + [gather(candidate) for candidate in model_side[1:]]
         guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
         offset = get_rank() * batch_size
-    graph_ends, (anchors, *candidates) = _normalized_leaves(model_side, with_backward)
-    guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
-    positives, guide_positives = candidates[0], guide_candidates[0]
+    # Scores in fp32 whatever the autocast: bf16 similarities over a temperature of 0.05 move the
+    # gradients, and can flip which candidates the guide suppresses (upstream's cosine stays fp32 too).
+    model_side = [tensor.float() for tensor in model_side]
+    guide_side = [tensor.float() for tensor in guide_side]
+    with torch.autocast(model_side[0].device.type, enabled=False):
+        graph_ends, (anchors, *candidates) = _normalized_leaves(model_side, with_backward)
+        guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
+        positives, guide_positives = candidates[0], guide_candidates[0]
 
-    total = torch.zeros((), device=anchors.device)
-    for begin, end in tqdm(
-        list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
-    ):
-        rows = torch.arange(end - begin, device=anchors.device)
-        targets = offset + begin + rows
-        guide_ap = guide_anchors[begin:end] @ guide_positives.T
-        threshold = guide_ap[rows, targets].unsqueeze(1)
-        limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
-        own_positive = torch.zeros_like(guide_ap, dtype=torch.bool)
-        own_positive[rows, targets] = True
+        total = torch.zeros((), device=anchors.device)
+        for begin, end in tqdm(
+            list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
+        ):
+            rows = torch.arange(end - begin, device=anchors.device)
+            targets = offset + begin + rows
+            guide_ap = guide_anchors[begin:end] @ guide_positives.T
+            threshold = guide_ap[rows, targets].unsqueeze(1)
+            limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
+            own_positive = torch.zeros_like(guide_ap, dtype=torch.bool)
+            own_positive[rows, targets] = True
 
-        blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit, keep=own_positive)]
-        if contrast_anchors:
-            guide_aa = guide_anchors[begin:end] @ guide_anchors.T
-            blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
-        if contrast_positives:
-            own = slice(offset + begin, offset + end)
-            guide_pp = guide_positives[own] @ guide_positives.T
-            blocks.append(_suppress(positives[own] @ positives.T, guide_pp, limit))
-        for negatives, guide_negatives in zip(candidates[1:], guide_candidates[1:]):
-            guide_an = guide_anchors[begin:end] @ guide_negatives.T
-            blocks.append(_suppress(anchors[begin:end] @ negatives.T, guide_an, limit))
+            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit, keep=own_positive)]
+            if contrast_anchors:
+                guide_aa = guide_anchors[begin:end] @ guide_anchors.T
+                blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
+            if contrast_positives:
+                own = slice(offset + begin, offset + end)
+                guide_pp = guide_positives[own] @ guide_positives.T
+                blocks.append(_suppress(positives[own] @ positives.T, guide_pp, limit))
+            for negatives, guide_negatives in zip(candidates[1:], guide_candidates[1:]):
+                guide_an = guide_anchors[begin:end] @ guide_negatives.T
+                blocks.append(_suppress(anchors[begin:end] @ negatives.T, guide_an, limit))
 
-        scores = torch.cat(blocks, dim=1) / temperature
-        chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
+            scores = torch.cat(blocks, dim=1) / temperature
+            chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
+            if with_backward:
+                chunk_loss.backward()
+                chunk_loss = chunk_loss.detach()
+            total = total + chunk_loss
+
         if with_backward:
-            chunk_loss.backward()
-            chunk_loss = chunk_loss.detach()
-        total = total + chunk_loss
-
-    if with_backward:
-        leaves = [anchors, *candidates]
-        pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
-        torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
-    return total
+            leaves = [anchors, *candidates]
+            pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
+            torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
+        return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +341,8 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         self.model = model
         self._hold_encoder(guide, offloaded=offload_guide)
         self.retokenize_with = None if guide is None else retokenizer_for(model, guide)
+        if self.retokenize_with is not None:
+            _refuse_static_embedding_retokenized(model)
         self.guide_embeddings = guide_embeddings
         self.temperature = temperature
         self.margin_strategy = margin_strategy
@@ -402,45 +392,89 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         self.guide_embeddings = table if self.guide_embeddings is None else self.guide_embeddings.extended_with(table)
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {
-            "guide": self.guide,
-            "guide_embeddings": None if self.guide_embeddings is None else repr(self.guide_embeddings),
-            "offload_guide": self.offload_guide,
-            **self._gist_options(),
-        }
-
-    @property
-    def citation(self) -> str:
-        return GIST_CITATION
+        """Upstream's parameters in upstream's order; ``guide_embeddings``, ``offload_guide`` (and
+        options newer than the installed upstream) only when set to something else than their default."""
+        return card_config(self, getattr(_upstream, type(self).__name__))
 
 
+@named_like_upstream(_upstream.CachedGISTEmbedLoss)
 class CachedGISTEmbedLoss(GuidedLoss):
-    """GISTEmbed with GradCache: batch-sized guided in-batch negatives in mini-batch memory.
+    """GISTEmbed with GradCache: batch-sized, guide-filtered in-batch negatives in mini-batch memory.
 
-    Same arguments as upstream's ``CachedGISTEmbedLoss`` (every one of 6.x's, on every supported
-    version; the ones after ``mini_batch_size`` are keyword-only because their order differs
-    between releases), plus:
+    For every anchor, the other rows' positives, anchors and negatives are negatives, except those
+    that the frozen guide model rates as more similar to the anchor than the anchor's own positive
+    (minus a margin): those are likely false negatives and are masked out. The batch is embedded
+    in mini-batches (GradCache), so memory follows ``mini_batch_size``, not the batch size, with
+    the gradients of the full batch.
+
+    Takes upstream's arguments in the installed release's order (and every option of 6.x's on
+    older releases, keyword-only), plus two ways to keep the guide off the accelerator.
 
     Args:
-        guide_embeddings: a :class:`GuideEmbeddings` table computed before training. With
-            ``guide=None`` no guide is held during training; with a guide too, batches that are
-            not fully in the table (e.g. evaluation) use the live guide.
-        offload_guide: keep the guide on the CPU and move it onto the training device only for its
-            no-grad pass in each step.
+        model: the SentenceTransformer being trained.
+        guide: the frozen SentenceTransformer that rates the negatives. May be None with
+            ``guide_embeddings``.
+        temperature: the softmax temperature of the cross-entropy (upstream's default 0.01).
+        mini_batch_size: rows embedded per forward pass; sets memory, not the result.
+        mini_batch_num_tokens: alternatively, a budget of non-padding tokens per mini-batch.
+        show_progress_bar: show the mini-batch progress.
+        margin_strategy: ``"absolute"`` (mask above ``positive - margin``) or ``"relative"``
+            (mask above ``positive - |positive| * margin``; 4.x's upstream used
+            ``positive * (1 - margin)``, which inverts for negative similarities).
+        margin: the margin of ``margin_strategy``.
+        contrast_anchors: also use the other anchors as negatives.
+        contrast_positives: also contrast each positive with the other positives.
+        gather_across_devices: under DDP, use every rank's candidates as negatives (5.x or newer).
+        guide_embeddings: keyword-only; a :class:`GuideEmbeddings` table computed before training.
+            With ``guide=None`` no guide is held during training; with a guide too, rows missing
+            from the table (e.g. evaluation) use the live guide.
+        offload_guide: keyword-only; keep the guide on the CPU and move it onto the training
+            device only for its no-grad pass in each step.
 
-    The relative margin is ``positive - |positive| * margin`` (6.x's rule; 4.x used
-    ``positive * (1 - margin)``, which inverts for negative similarities).
+    References:
+        - GISTEmbed: https://huggingface.co/papers/2402.16829
+        - GradCache: https://huggingface.co/papers/2101.06983
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Texts                                           | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative) triplets           | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses, offload
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            guide = SentenceTransformer("sentence-transformers/all-mpnet-base-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            loss = losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=32, offload_guide=True)
+            # or: embed once with the guide, free it, and train without it
+            table = losses.GuideEmbeddings.from_dataset(model, guide, train_dataset)
+            offload.release(guide)
+            loss = losses.CachedGISTEmbedLoss(model, None, guide_embeddings=table)
+            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
     """
 
     uses_gradient_cache = True
 
+    @follows_upstream_signature(_upstream.CachedGISTEmbedLoss)
     def __init__(
         self,
         model: nn.Module,
         guide: nn.Module | None = None,
         temperature: float = 0.01,
         mini_batch_size: int = 32,
-        *,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
         margin_strategy: Literal["absolute", "relative"] = "absolute",
@@ -448,6 +482,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         contrast_anchors: bool = True,
         contrast_positives: bool = True,
         gather_across_devices: bool = False,
+        *,
         guide_embeddings: GuideEmbeddings | None = None,
         offload_guide: bool = False,
     ) -> None:
@@ -485,26 +520,62 @@ class CachedGISTEmbedLoss(GuidedLoss):
             show_progress_bar=self.show_progress_bar,
         )
 
-    def get_config_dict(self) -> dict[str, Any]:
-        return {
-            **super().get_config_dict(),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-        }
 
-    @property
-    def citation(self) -> str:
-        return GIST_CITATION + GRADCACHE_CITATION
-
-
+@named_like_upstream(_upstream.GISTEmbedLoss)
 class GISTEmbedLoss(GuidedLoss):
-    """GISTEmbed without gradient caching, whose guide can be offloaded or replaced by a precomputed table.
+    """GISTEmbed: in-batch negatives filtered by a frozen guide model, whose guide can be offloaded
+    or replaced by a precomputed table.
 
-    Same arguments as upstream's ``GISTEmbedLoss`` (6.x's, on every supported version), plus
-    ``guide_embeddings`` and ``offload_guide`` as in :class:`CachedGISTEmbedLoss`. Any number of
-    negative columns, and 6.x's relative margin, on every version.
+    For every anchor, the other rows' positives, anchors and negatives are negatives, except those
+    that the guide rates as more similar to the anchor than the anchor's own positive (minus a
+    margin). Takes upstream's arguments in the installed release's order (and 6.x's options on
+    older releases, keyword-only), any number of negative columns, and 6.x's relative margin on
+    every release.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        guide: the frozen SentenceTransformer that rates the negatives. May be None with
+            ``guide_embeddings``.
+        temperature: the softmax temperature of the cross-entropy (upstream's default 0.01).
+        margin_strategy: ``"absolute"`` or ``"relative"``, see :class:`CachedGISTEmbedLoss`.
+        margin: the margin of ``margin_strategy``.
+        contrast_anchors: also use the other anchors as negatives.
+        contrast_positives: also contrast each positive with the other positives.
+        gather_across_devices: under DDP, use every rank's candidates as negatives (5.x or newer).
+        guide_embeddings: keyword-only; a :class:`GuideEmbeddings` table computed before training.
+        offload_guide: keyword-only; keep the guide on the CPU between its no-grad passes.
+
+    References:
+        - GISTEmbed: https://huggingface.co/papers/2402.16829
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Texts                                           | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative) triplets           | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            guide = SentenceTransformer("sentence-transformers/all-mpnet-base-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            loss = losses.GISTEmbedLoss(model, guide, offload_guide=True)
+            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
     """
 
+    @follows_upstream_signature(_upstream.GISTEmbedLoss)
     def __init__(
         self,
         model: nn.Module,
@@ -536,9 +607,11 @@ class GISTEmbedLoss(GuidedLoss):
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        reps = [[self.model(dict(features))["sentence_embedding"]] for features in sentence_features]
-        whole_batch = [[(0, len(column[0]))] for column in reps]
+        # The guide first, on its own copy: the model's modules may edit the features in place (4.x's
+        # Pooling zeroes prompt positions of the mask), which the guide must not see.
+        whole_batch = [[(0, batch_size_of(features))] for features in sentence_features]
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
+        reps = [[self.model(dict(features))["sentence_embedding"]] for features in sentence_features]
         return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
 
 
@@ -553,7 +626,8 @@ def _validate_gist_arguments(
 ) -> None:
     """Reject what would otherwise fail, or silently misbehave, at the first batch."""
     if guide is None and guide_embeddings is None:
-        raise ValueError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
+        # TypeError, as upstream's missing `guide` argument raises.
+        raise TypeError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
     if guide_embeddings is not None and not isinstance(guide_embeddings, GuideEmbeddings):
         raise TypeError(f"guide_embeddings must be a GuideEmbeddings table, got {type(guide_embeddings).__name__}.")
     if offload_guide and guide is None:
@@ -576,9 +650,20 @@ def _refuse_shared_guide(model: nn.Module, guide: nn.Module) -> None:
         )
 
 
-def _refuse_static_embedding(model: nn.Module) -> None:
-    static_embedding = getattr(st_modules(), "StaticEmbedding", None)
-    if static_embedding is not None and len(model) and isinstance(model[0], static_embedding):
+def _refuse_static_embedding_retokenized(model: nn.Module) -> None:
+    """Upstream's check (same error): a guide with another tokenizer gets re-tokenized text, which a
+    StaticEmbedding model's features cannot be decoded back into."""
+    if embeds_with_static_embedding(model):
         raise ValueError(
-            "CachedGISTEmbedLoss cannot split a StaticEmbedding model's inputs into mini-batches; use GISTEmbedLoss."
+            "If we must retokenize because the guide model has a different tokenizer, "
+            "then the Sentence Transformer model must not be based on a StaticEmbedding."
+        )
+
+
+def _refuse_static_embedding(model: nn.Module) -> None:
+    if embeds_with_static_embedding(model):
+        raise ValueError(
+            "CachedGISTEmbedLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding "
+            "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
+            "Consider using GISTEmbedLoss instead."
         )

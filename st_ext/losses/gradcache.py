@@ -26,11 +26,19 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
-Features = dict[str, Any]
-Ranges = list[tuple[int, int]]
+from st_ext._compat import st_modules
+from st_ext.losses.features import (  # noqa: F401  (batch_size_of, row_token_keys: public here too)
+    Features,
+    Ranges,
+    batch_size_of,
+    minibatch_ranges,
+    row_token_keys,
+    slice_minibatch,
+)
+
 #: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
 Reps = list[list[Tensor]]
 #: ``loss_fn(reps, frozen, labels, with_backward=...)``; see :meth:`CachedLoss.loss_from_embeddings`.
@@ -56,64 +64,60 @@ class CachedLoss(Protocol):
 
 
 class RngState:
-    """The CPU and CUDA generator states one mini-batch's first forward pass started from.
+    """The CPU and accelerator generator states one mini-batch's first forward pass started from.
 
     Replaying them makes the second forward pass draw the same dropout masks, so the cached
     gradients belong to the embeddings they are applied to. The outer RNG is left untouched.
+    CUDA-like devices keep one generator per device (``get_device_states``); MPS has a single
+    generator and no per-device context, so its state is kept and restored on its own.
     """
 
     def __init__(self, tensors: Iterable[Any]) -> None:
+        accelerated = [t for t in tensors if isinstance(t, Tensor) and t.device.type not in ("cpu", "meta")]
         self.cpu_state = torch.get_rng_state()
-        self.devices, self.device_states = get_device_states(*[t for t in tensors if isinstance(t, Tensor)])
+        self.mps_state = torch.mps.get_rng_state() if any(t.device.type == "mps" for t in accelerated) else None
+        per_device = [t for t in accelerated if t.device.type != "mps"]
+        self.device_type = per_device[0].device.type if per_device else None
+        self.devices, self.device_states = get_device_states(*per_device)
 
     @contextmanager
     def replay(self) -> Iterator[None]:
-        with torch.random.fork_rng(devices=self.devices):
+        fork = torch.random.fork_rng(devices=self.devices, device_type=self.device_type or "cuda")
+        with fork, _single_generator_replay(self.mps_state):
             torch.set_rng_state(self.cpu_state)
-            set_device_states(self.devices, self.device_states)
+            # Through the tensors' own device module: set_device_states picks the default accelerator's.
+            device_module = getattr(torch, self.device_type) if self.devices else None
+            for device, state in zip(self.devices, self.device_states):
+                device_module.set_rng_state(state, device)
             yield
 
 
-def batch_size_of(features: Features) -> int:
-    """Rows in a column's features (taken from ``input_ids``/``attention_mask`` when present)."""
-    for key in ("input_ids", "attention_mask"):
-        if isinstance(features.get(key), Tensor):
-            return features[key].shape[0]
-    return next(value.shape[0] for value in features.values() if isinstance(value, Tensor) and value.ndim > 0)
+@contextmanager
+def _single_generator_replay(state: Tensor | None) -> Iterator[None]:
+    """Run the block from the MPS generator state ``state`` and restore the outer state after it."""
+    if state is None:
+        yield
+        return
+    outer = torch.mps.get_rng_state()
+    torch.mps.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.mps.set_rng_state(outer)
 
 
-def row_token_keys(features: Features) -> list[bytes]:
-    """One key per row: its non-padding token ids, so the same text has the same key whatever its padding."""
-    input_ids = features["input_ids"].detach().cpu().to(torch.int64).numpy()
-    mask = features.get("attention_mask")
-    if mask is None:
-        return [ids.tobytes() for ids in input_ids]
-    # numpy, not torch: indexing row by row is ten times faster there, and this runs every step
-    return [ids[keep].tobytes() for ids, keep in zip(input_ids, mask.detach().cpu().bool().numpy())]
-
-
-def minibatch_ranges(features: Features, mini_batch_size: int, mini_batch_num_tokens: int | None = None) -> Ranges:
-    """``(begin, end)`` rows of each mini-batch: ``mini_batch_size`` rows each, or, with a token budget,
-    as many rows as fit ``mini_batch_num_tokens`` non-padding tokens (a longer row goes alone)."""
-    if "cu_seq_lens_q" in features:
-        raise ValueError(
-            "st_ext's cached losses need padded batches; flattened inputs (DataCollatorWithFlattening) "
-            "cannot be split into mini-batches here."
-        )
-    rows = batch_size_of(features)
-    if mini_batch_num_tokens is None:
-        return [(begin, min(begin + mini_batch_size, rows)) for begin in range(0, rows, mini_batch_size)]
-    if not isinstance(features.get("attention_mask"), Tensor):
-        raise ValueError("mini_batch_num_tokens needs an attention_mask to count tokens; use mini_batch_size.")
-    ranges, begin, used = [], 0, 0
-    for row, length in enumerate(features["attention_mask"].sum(dim=1).tolist()):
-        if row > begin and used + length > mini_batch_num_tokens:
-            ranges.append((begin, row))
-            begin, used = row, 0
-        used += length
-    if rows:
-        ranges.append((begin, rows))
-    return ranges
+def embeds_with_static_embedding(model: nn.Module) -> bool:
+    """Whether the model's input module is a ``StaticEmbedding``, directly or as the first module of a
+    route behind a ``Router``/``Asym``: its features are one flat bag of token ids with offsets, which
+    cannot be split into mini-batches."""
+    static_embedding = getattr(st_modules(), "StaticEmbedding", None)
+    model = getattr(model, "_orig_mod", getattr(model, "module", model))
+    if static_embedding is None or not isinstance(model, nn.Sequential) or not len(model):
+        return False
+    first = model[0]
+    routes = getattr(first, "sub_modules", None)
+    inputs = [next(iter(route), None) for route in routes.values()] if hasattr(routes, "values") else [first]
+    return any(isinstance(module, static_embedding) for module in inputs)
 
 
 def validate_mini_batching(mini_batch_size: int, mini_batch_num_tokens: int | None) -> None:
@@ -122,28 +126,6 @@ def validate_mini_batching(mini_batch_size: int, mini_batch_num_tokens: int | No
         raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}.")
     if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
         raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
-
-
-def slice_minibatch(features: Features, begin: int, end: int) -> Features:
-    """Rows ``begin:end`` of a column, without the trailing padding columns all of them share.
-
-    Trimming keeps a mini-batch of short texts from being embedded at the width of the batch's
-    longest text; leading padding is kept so positions do not shift. Non-tensor values pass through.
-    """
-    mask = features.get("attention_mask")
-    width = seq_len = None
-    if isinstance(mask, Tensor) and mask.ndim == 2:
-        seq_len = mask.shape[1]
-        active = mask[begin:end].bool().any(dim=0).nonzero()
-        width = int(active.max()) + 1 if len(active) else seq_len
-    minibatch = {}
-    for key, value in features.items():
-        if isinstance(value, Tensor) and value.ndim >= 1:
-            value = value[begin:end]
-            if width is not None and value.ndim >= 2 and value.shape[1] == seq_len:
-                value = value[:, :width]
-        minibatch[key] = value
-    return minibatch
 
 
 def embed_without_grad(

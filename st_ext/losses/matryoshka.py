@@ -14,37 +14,29 @@ and only *calls* the wrapped loss's loss-over-embeddings:
 
 Peak memory is one mini-batch's graph plus embedding-sized buffers: independent of the number of
 dimensions, and of the batch size apart from the embeddings themselves.
+
+Every other loss runs through upstream's own implementation, unchanged, and so do the argument
+checks and warnings of the installed release: a swapped import behaves as upstream wherever st_ext
+adds nothing. ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` are upstream's classes (see
+:mod:`st_ext.losses`).
 """
 
 from __future__ import annotations
 
-import numbers
 import random
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_ext._compat import embedding_dimension, st_losses
-from st_ext._compat import is_gradient_caching
+from st_ext._compat import st_losses
+from st_ext.losses._signatures import named_like_upstream, upstream_cached_loss_mixin
 from st_ext.losses.gist import CachedGISTEmbedLoss, guide_pass
 from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Ranges, Reps, gradcache_forward
 
 _upstream = st_losses()
-
-MATRYOSHKA_CITATION = """
-@misc{kusupati2024matryoshka,
-    title={Matryoshka Representation Learning},
-    author={Aditya Kusupati and Gantavya Bhatt and Aniket Rege and Matthew Wallingford and Aditya Sinha and Vivek Ramanujan and William Howard-Snyder and Kaifeng Chen and Sham Kakade and Prateek Jain and Ali Farhadi},
-    year={2024},
-    eprint={2205.13147},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,7 +44,8 @@ MATRYOSHKA_CITATION = """
 
 
 class UpstreamCachedLoss:
-    """An upstream ``CachedMultipleNegatives(Symmetric)RankingLoss`` as a :class:`CachedLoss`.
+    """An upstream cached ranking loss as a :class:`CachedLoss`: ``CachedMultipleNegatives(Symmetric)RankingLoss``,
+    and on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
 
     Calls the class's ``calculate_loss``, not the instance's, so an instance that upstream's
     ``MatryoshkaLoss`` already decorated is not truncated a second time.
@@ -83,7 +76,12 @@ class UpstreamCachedLoss:
     def loss_from_embeddings(
         self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
     ) -> Tensor:
-        return type(self.loss).calculate_loss(self.loss, reps, with_backward=with_backward)
+        calculate_loss = type(self.loss).calculate_loss
+        mixin = upstream_cached_loss_mixin()
+        if mixin is not None and isinstance(self.loss, mixin):
+            # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
+            return calculate_loss(self.loss, reps, labels, with_backward=with_backward)
+        return calculate_loss(self.loss, reps, with_backward=with_backward)
 
 
 class UpstreamCachedGIST(UpstreamCachedLoss):
@@ -102,30 +100,33 @@ class UpstreamCachedGIST(UpstreamCachedLoss):
 
 
 def cached_loss_view(loss: nn.Module) -> CachedLoss | None:
-    """``loss`` as a :class:`CachedLoss` if it caches gradients, None if it is an ordinary loss.
+    """``loss`` as a :class:`CachedLoss` when st_ext runs its GradCache itself, else None.
 
-    Raises for a gradient-caching loss whose loss-over-embeddings st_ext cannot reach.
+    None means upstream's ``MatryoshkaLoss`` handles ``loss`` exactly as it would without st_ext
+    (including a gradient-caching loss st_ext cannot reach into: upstream then raises or runs it
+    as the installed release does).
     """
+    if isinstance(loss, MatryoshkaLoss) and loss.uses_gradient_cache:
+        raise TypeError(
+            "A MatryoshkaLoss over a cached loss cannot be wrapped again: its gradients are computed in its "
+            "own backward pass, which an outer MatryoshkaLoss cannot truncate. Give one MatryoshkaLoss all "
+            "the dimensions instead."
+        )
     if isinstance(loss, CachedGISTEmbedLoss):
         return loss
     if isinstance(loss, _upstream.CachedGISTEmbedLoss):
         return UpstreamCachedGIST(loss)
-    ranking = tuple(
-        getattr(_upstream, name)
-        for name in ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
-        if hasattr(_upstream, name)
-    )
-    if isinstance(loss, ranking):
+    if isinstance(loss, _upstream_cached_ranking_losses()):
         return UpstreamCachedLoss(loss)
-    if is_gradient_caching(loss):
-        raise TypeError(
-            f"MatryoshkaLoss cannot wrap {type(loss).__name__}: it runs its own backward passes "
-            "(gradient caching), so truncating its forward outputs would not reach its gradients, and st_ext "
-            "has no access to its loss over cached embeddings. Supported cached losses: "
-            "CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss, CachedGISTEmbedLoss "
-            "(upstream's or st_ext's). A MatryoshkaLoss over a cached loss cannot be wrapped again."
-        )
+    mixin = upstream_cached_loss_mixin()
+    if mixin is not None and isinstance(loss, mixin) and getattr(loss, "uses_gradient_cache", False):
+        return UpstreamCachedLoss(loss)
     return None
+
+
+def _upstream_cached_ranking_losses() -> tuple[type, ...]:
+    names = ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
+    return tuple(getattr(_upstream, name) for name in names if hasattr(_upstream, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,47 +134,13 @@ def cached_loss_view(loss: nn.Module) -> CachedLoss | None:
 
 
 def shrink(embeddings: Tensor, dim: int) -> Tensor:
-    """The first ``dim`` coordinates, re-normalised (upstream's truncation)."""
+    """The first ``dim`` coordinates, re-normalised (upstream's truncation, and its error)."""
     if dim > embeddings.shape[-1]:
         raise ValueError(
-            f"Matryoshka dimension {dim} is larger than the model's embedding dimension {embeddings.shape[-1]}."
+            f"Dimension {dim} in matryoshka_dims cannot be greater than the model's embedding dimension: "
+            f"{embeddings.shape[-1]}"
         )
     return F.normalize(embeddings[..., :dim], p=2, dim=-1)
-
-
-def validate_matryoshka(
-    matryoshka_dims: Sequence[int],
-    matryoshka_weights: Sequence[float] | None,
-    n_dims_per_step: int,
-    embedding_dim: int | None,
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Checked dimensions and weights, sorted by dimension, largest first (as upstream sorts them)."""
-    dims = list(matryoshka_dims) if matryoshka_dims is not None else []
-    if not dims:
-        raise ValueError("matryoshka_dims must hold at least one dimension.")
-    bad = [dim for dim in dims if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0]
-    if bad:
-        raise ValueError(f"matryoshka_dims must be positive integers; got {bad} in {dims}.")
-    if embedding_dim is not None and max(dims) > embedding_dim:
-        raise ValueError(
-            f"matryoshka_dims {dims} include dimensions above the model's embedding dimension {embedding_dim}."
-        )
-    weights = [1] * len(dims) if matryoshka_weights is None else list(matryoshka_weights)
-    if len(weights) != len(dims):
-        raise ValueError(
-            f"matryoshka_weights has {len(weights)} value(s) for {len(dims)} matryoshka_dims; "
-            "give one weight per dimension."
-        )
-    if any(isinstance(w, bool) or not isinstance(w, numbers.Real) for w in weights):
-        raise ValueError(f"matryoshka_weights must be numbers, got {weights}.")
-    if isinstance(n_dims_per_step, bool) or not isinstance(n_dims_per_step, int) or not (
-        n_dims_per_step == -1 or n_dims_per_step > 0
-    ):
-        raise ValueError(
-            f"n_dims_per_step must be -1 (every dimension) or a positive integer, got {n_dims_per_step!r}."
-        )
-    pairs = sorted(zip((int(d) for d in dims), weights), key=lambda pair: pair[0], reverse=True)
-    return tuple(d for d, _ in pairs), tuple(w for _, w in pairs)
 
 
 def dims_for_step(dims: Sequence[int], weights: Sequence[float], n_dims_per_step: int) -> list[tuple[int, float]]:
@@ -185,11 +152,6 @@ def dims_for_step(dims: Sequence[int], weights: Sequence[float], n_dims_per_step
     if 0 < n_dims_per_step < len(dims):
         indices = sorted(random.sample(indices, n_dims_per_step))
     return [(dims[index], weights[index]) for index in indices]
-
-
-def declared_dimension(model: nn.Module) -> int | None:
-    """The model's output dimension when it declares one (through DDP/compile wrappers too)."""
-    return embedding_dimension(getattr(model, "module", getattr(model, "_orig_mod", model)))
 
 
 def matryoshka_loss_from_embeddings(
@@ -230,16 +192,63 @@ def matryoshka_loss_from_embeddings(
 # The losses
 
 
+#: Stands in for a cached loss while upstream's constructor runs its checks, so that upstream's
+#: constructor never sees, and never decorates, the cached loss itself.
+_PLACEHOLDER_LOSS = nn.Module
+
+
+@named_like_upstream(_upstream.MatryoshkaLoss)
 class MatryoshkaLoss(_upstream.MatryoshkaLoss):
-    """Upstream's ``MatryoshkaLoss`` (same arguments), cached losses handled in mini-batch memory.
+    """Train a loss at several embedding sizes at once, so that truncated embeddings still work.
 
-    * Ordinary losses: upstream's implementation, unchanged.
+    Upstream's ``MatryoshkaLoss``, with the same arguments, checks, warnings, values and model
+    card, except that a cached loss runs in mini-batch memory and is never modified. The wrapped
+    loss is computed on the embeddings truncated to each of ``matryoshka_dims`` (and
+    re-normalised), and the weighted sum is returned.
+
     * Cached losses (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``,
-      ``CachedGISTEmbedLoss``, upstream's or st_ext's): GradCache run here, see the module docstring.
-      The wrapped instance is never modified, so it can be wrapped again or used bare.
+      ``CachedGISTEmbedLoss``, upstream's or st_ext's, and on 5.7+ every loss built on upstream's
+      GradCache base such as ``MegaBatchMarginLoss``): GradCache runs here (see the module
+      docstring). Peak memory does not grow with the number of dimensions; the wrapped instance
+      can be wrapped again or used bare; ``n_dims_per_step`` is honoured (4.x's upstream ignores
+      it for cached losses).
+    * Every other loss: upstream's implementation, unchanged.
 
-    A subclass of upstream's class (for ``isinstance`` checks such as the model card's) whose
-    constructor is not called: upstream's would decorate a cached loss in place.
+    Args:
+        model: the SentenceTransformer being trained.
+        loss: the loss to compute at every dimension, e.g. ``MultipleNegativesRankingLoss``,
+            ``CachedMultipleNegativesRankingLoss``, ``CoSENTLoss``, ``GISTEmbedLoss``.
+        matryoshka_dims: the embedding sizes to train, e.g. ``[768, 512, 256, 128, 64]``. Include
+            the model's full size (upstream 5.x+ logs a warning otherwise).
+        matryoshka_weights: one weight per dimension; None weighs every dimension 1.
+        n_dims_per_step: how many randomly drawn dimensions to train per step; -1 (or any value
+            that is not between 0 and the number of dimensions) trains all of them.
+
+    References:
+        - Matryoshka Representation Learning: https://huggingface.co/papers/2205.13147
+        - GradCache, for the cached losses: https://huggingface.co/papers/2101.06983
+
+    Inputs:
+        +---------------------------------+---------------------------------+
+        | Texts                           | Labels                          |
+        +=================================+=================================+
+        | whatever the wrapped loss takes | whatever the wrapped loss takes |
+        +---------------------------------+---------------------------------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=16)
+            loss = losses.MatryoshkaLoss(model, inner, [384, 256, 128, 64])
+            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
     """
 
     def __init__(
@@ -247,72 +256,22 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         model: nn.Module,
         loss: nn.Module,
         matryoshka_dims: Sequence[int],
-        matryoshka_weights: Sequence[float] | None = None,
+        matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
     ) -> None:
-        nn.Module.__init__(self)
-        if not isinstance(loss, nn.Module):
-            raise TypeError(f"MatryoshkaLoss wraps a loss module, got {type(loss).__name__}.")
-        self.matryoshka_dims, self.matryoshka_weights = validate_matryoshka(
-            matryoshka_dims, matryoshka_weights, n_dims_per_step, declared_dimension(model)
-        )
-        self.n_dims_per_step = n_dims_per_step
-        self.model = model
-        self.loss = loss
-        self.uses_gradient_cache = cached_loss_view(loss) is not None
-        if not self.uses_gradient_cache:
-            # Upstream's wrapper for ordinary losses, kept out of the module tree; it does not modify `loss`.
-            plain = _upstream.MatryoshkaLoss(
-                model, loss, list(self.matryoshka_dims), list(self.matryoshka_weights), n_dims_per_step
-            )
-            object.__setattr__(self, "_plain", plain)
+        view = cached_loss_view(loss)
+        if view is None:
+            super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        else:
+            # Upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
+            super().__init__(model, _PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
+            self.loss = loss
+        self.uses_gradient_cache = view is not None
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        view = cached_loss_view(self.loss)
+        view = cached_loss_view(self.loss) if self.uses_gradient_cache else None
         if view is None:
-            # The trainer may have swapped in a wrapped (DDP, compiled) model since construction.
-            self._plain.model, self._plain.loss = self.model, self.loss
-            return self._plain(sentence_features, labels)
+            return super().forward(sentence_features, labels)
         dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
         loss_fn = partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
         return gradcache_forward(view, sentence_features, labels, loss_fn)
-
-    def get_config_dict(self) -> dict[str, Any]:
-        return {
-            "loss": type(self.loss).__name__,
-            "matryoshka_dims": self.matryoshka_dims,
-            "matryoshka_weights": self.matryoshka_weights,
-            "n_dims_per_step": self.n_dims_per_step,
-        }
-
-    @property
-    def citation(self) -> str:
-        return MATRYOSHKA_CITATION
-
-
-def refuse_cached(loss: nn.Module, wrapper: str) -> None:
-    """Raise for a gradient-caching loss under a wrapper that swaps the model's forward pass."""
-    if is_gradient_caching(loss):
-        raise TypeError(
-            f"{wrapper} cannot wrap {type(loss).__name__}: {wrapper} swaps the model's forward pass for the "
-            f"duration of the forward call to read intermediate layers, but {type(loss).__name__} re-embeds "
-            "its inputs during the backward pass (gradient caching), after the swap is undone, so its gradients "
-            f"would belong to the wrong layers. Use {wrapper} with the non-cached loss (e.g. "
-            "MultipleNegativesRankingLoss, GISTEmbedLoss), or st_ext.losses.MatryoshkaLoss for dimensions only."
-        )
-
-
-class AdaptiveLayerLoss(_upstream.AdaptiveLayerLoss):
-    """Upstream's ``AdaptiveLayerLoss``, refusing cached losses (upstream only warns, then trains wrongly)."""
-
-    def __init__(self, model: nn.Module, loss: nn.Module, *args: Any, **kwargs: Any) -> None:
-        refuse_cached(loss, "AdaptiveLayerLoss")
-        super().__init__(model, loss, *args, **kwargs)
-
-
-class Matryoshka2dLoss(_upstream.Matryoshka2dLoss):
-    """Upstream's ``Matryoshka2dLoss``, refusing cached losses (it is built on ``AdaptiveLayerLoss``)."""
-
-    def __init__(self, model: nn.Module, loss: nn.Module, *args: Any, **kwargs: Any) -> None:
-        refuse_cached(loss, "Matryoshka2dLoss")
-        super().__init__(model, loss, *args, **kwargs)

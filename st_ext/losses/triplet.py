@@ -31,21 +31,13 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_ext._compat import st_losses
+from st_ext.losses._signatures import named_like_upstream, upstream_default
 from st_ext.mining import anchors_with_triplets, group_by_class, positive_pairs
 
 DistanceMetric = Callable[[Tensor], Tensor]
 TripletLossFunction = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
-TRIPLET_CITATION = """
-@misc{hermans2017defense,
-    title={In Defense of the Triplet Loss for Person Re-Identification},
-    author={Alexander Hermans and Lucas Beyer and Bastian Leibe},
-    year={2017},
-    eprint={1703.07737},
-    archivePrefix={arXiv},
-    primaryClass={cs.CV}
-}
-"""
+_upstream = st_losses()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,12 +338,35 @@ def triplet_loss_from_embeddings(
     return loss_function(distances, labels.to(distances.device), ref_labels.to(distances.device), margin)
 
 
+#: Upstream's default distance: the same function object, so that ``distance_metric`` defaults
+#: (and the model card's ``distance_metric`` name) are upstream's on every release.
+UPSTREAM_EUCLIDEAN = upstream_default(_upstream.BatchAllTripletLoss, "distance_metric")
+
+_TRIPLET_INPUTS = """
+    Inputs:
+        +------------------+--------------------------------------------------+
+        | Texts            | Labels                                           |
+        +==================+==================================================+
+        | single sentences | class (an integer per text, at least two texts   |
+        |                  | per class in a batch; use the GROUP_BY_LABEL     |
+        |                  | batch sampler)                                   |
+        +------------------+--------------------------------------------------+
+"""
+
+_TRIPLET_REFERENCES = """
+    References:
+        - In Defense of the Triplet Loss for Person Re-Identification: https://huggingface.co/papers/1703.07737
+        - FaceNet (semi-hard negatives): https://huggingface.co/papers/1503.03832
+        - Cross-batch memory (:class:`st_ext.losses.CrossBatchMemoryLoss`): https://huggingface.co/papers/1912.06798
+"""
+
+
 class _BatchTripletLoss(nn.Module):
     """What the three losses share: the upstream constructor, forward, and a memory-aware entry point."""
 
     loss_function: TripletLossFunction
 
-    def __init__(self, model: nn.Module, distance_metric: DistanceMetric = euclidean_distance, margin: float = 5) -> None:
+    def __init__(self, model: nn.Module, distance_metric: DistanceMetric = UPSTREAM_EUCLIDEAN, margin: float = 5) -> None:
         super().__init__()
         self.model = model
         self.distance_metric = distance_metric
@@ -396,36 +411,92 @@ class _BatchTripletLoss(nn.Module):
         )
 
     def get_config_dict(self) -> dict[str, Any]:
+        """Upstream's card entries (hidden where upstream's class has no config, as on 4.x)."""
         return {
             "distance_metric": getattr(self.distance_metric, "__name__", str(self.distance_metric)),
             "margin": self.margin,
         }
 
-    @property
-    def citation(self) -> str:
-        return TRIPLET_CITATION
+
+_EXAMPLE = """
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "sentence": ["He played a great game.", "The stock is up 20%", "They won 2-1.", "The last goal was amazing."],
+                "label": [1, 0, 1, 1],
+            })
+            loss = losses.{name}(model)
+            # with a memory of earlier batches' embeddings as extra positives and negatives:
+            # loss = losses.CrossBatchMemoryLoss(model, losses.{name}(model), memory_size=4096)
+            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
+"""
+
+_ARGS = """
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: a function from a batch of embeddings to their pairwise distances;
+            upstream's ``BatchHardTripletLossDistanceFunction`` functions and st_ext's
+            ``euclidean_distance``/``cosine_distance`` cost B x (B + memory) with a memory.
+            Default: upstream's Euclidean distance.
+        margin: the margin between the positive and the negative distance (default 5).
+"""
 
 
+@named_like_upstream(_upstream.BatchAllTripletLoss)
 class BatchAllTripletLoss(_BatchTripletLoss):
-    """Upstream's ``BatchAllTripletLoss`` (same arguments, values and gradients) in O(B×R) memory.
+    __doc__ = (
+        """Upstream's ``BatchAllTripletLoss`` (same arguments, values, gradients and card) in O(B x R) memory.
 
-    Every valid triplet counts: anchor and positive share a label, the negative has another; the loss
-    is the mean of ``relu(d(a, p) - d(a, n) + margin)`` over the triplets where it is positive. Needs
-    one text column and a label column, at least two texts per class.
-    """
+    Every valid triplet of the batch counts: anchor and positive share a label, the negative has
+    another; the loss is the mean of ``relu(d(a, p) - d(a, n) + margin)`` over the triplets where
+    it is positive. Upstream builds a B x B x B (4.x) or pairs x B (6.x) tensor; here each anchor's
+    negatives are sorted once and each pair's sum is a prefix sum, so nothing exceeds B x R.
+"""
+        + _ARGS
+        + _TRIPLET_REFERENCES
+        + _TRIPLET_INPUTS
+        + _EXAMPLE.replace("{name}", "BatchAllTripletLoss")
+    )
 
     loss_function = staticmethod(batch_all_triplet_loss)
 
 
+@named_like_upstream(_upstream.BatchHardTripletLoss)
 class BatchHardTripletLoss(_BatchTripletLoss):
-    """Upstream's ``BatchHardTripletLoss``: per anchor, its farthest positive and nearest negative."""
+    __doc__ = (
+        """Upstream's ``BatchHardTripletLoss`` (same arguments, values, gradients and card).
+
+    Per anchor, its farthest positive and its nearest negative form the triplet; the loss is the
+    mean over anchors of ``relu(d(a, p_hardest) - d(a, n_hardest) + margin)``.
+"""
+        + _ARGS
+        + _TRIPLET_REFERENCES
+        + _TRIPLET_INPUTS
+        + _EXAMPLE.replace("{name}", "BatchHardTripletLoss")
+    )
 
     loss_function = staticmethod(batch_hard_triplet_loss)
 
 
+@named_like_upstream(_upstream.BatchSemiHardTripletLoss)
 class BatchSemiHardTripletLoss(_BatchTripletLoss):
-    """Upstream's ``BatchSemiHardTripletLoss`` without 4.x's B²×B tiling: per positive pair, the
-    nearest negative that is farther than the positive (else the anchor's farthest negative)."""
+    __doc__ = (
+        """Upstream's ``BatchSemiHardTripletLoss`` (same arguments, values, gradients and card) without 4.x's
+    B^2 x B tiling.
+
+    Per positive pair, the negative is the nearest one that is farther than the positive (else the
+    anchor's farthest negative); the loss is the mean of ``relu(d(a, p) - d(a, n) + margin)``.
+"""
+        + _ARGS
+        + _TRIPLET_REFERENCES
+        + _TRIPLET_INPUTS
+        + _EXAMPLE.replace("{name}", "BatchSemiHardTripletLoss")
+    )
 
     loss_function = staticmethod(batch_semi_hard_triplet_loss)
 
