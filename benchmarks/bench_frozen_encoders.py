@@ -32,8 +32,8 @@ from datasets import Dataset
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import preprocess, st_losses
-from st_ext.demo_data import stdlib_pairs
-from st_ext.frozen_encoder_option import apply_frozen_encoder_mode
+from st_ext.cli.demo_data import stdlib_pairs
+from st_ext.training.frozen_encoders import apply_frozen_encoder_mode
 from st_ext.losses.distillation import precompute_teacher_labels
 from st_ext.memory import measure_peak, resolve_device
 

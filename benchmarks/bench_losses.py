@@ -32,7 +32,7 @@ import torch
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import preprocess, st_losses
-from st_ext.demo_data import stdlib_pairs
+from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.memory import measure_peak, resolve_device
 
 upstream = st_losses()

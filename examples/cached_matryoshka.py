@@ -18,7 +18,7 @@ from datasets import Dataset
 
 from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
 from st_ext._compat import preprocess
-from st_ext.demo_data import stdlib_pairs
+from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.memory import measure_peak
 
 DIMS = [384, 128, 32]

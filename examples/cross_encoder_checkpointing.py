@@ -20,7 +20,7 @@ from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
 
 from st_ext import CrossEncoder, CrossEncoderTrainer, CrossEncoderTrainingArguments
 from st_ext.checkpointing import checkpointable_modules
-from st_ext.demo_data import stdlib_pairs
+from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.memory import measure_peak
 
 

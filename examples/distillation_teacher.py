@@ -24,7 +24,7 @@ import torch
 from datasets import Dataset
 
 from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
-from st_ext.demo_data import stdlib_pairs
+from st_ext.cli.demo_data import stdlib_pairs
 
 
 def every_other_layer(model: SentenceTransformer) -> SentenceTransformer:

@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from st_ext._compat import preprocess
-from st_ext.demo_data import MODULES, stdlib_pairs
+from st_ext.cli.demo_data import MODULES, stdlib_pairs
 from st_ext.losses.cross_batch_memory import MEMORY_FILENAME, CrossBatchMemoryLoss, load_memories
 from st_ext.losses.triplet import BatchAllTripletLoss, batch_all_triplet_counts, triplet_distances
 from st_ext.memory import measure_peak

@@ -9,6 +9,9 @@ training arguments, are here too where the installed release has them; on an old
 one raises an ImportError naming the release it needs.
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _distribution_version
+
 from sentence_transformers import (
     CrossEncoderTrainingArguments,
     SentenceTransformerTrainingArguments,
@@ -16,9 +19,13 @@ from sentence_transformers import (
 
 from st_ext import _compat
 from st_ext.models import CrossEncoder, SentenceTransformer
-from st_ext.trainer import CrossEncoderTrainer, SentenceTransformerTrainer
+from st_ext.training.trainer import CrossEncoderTrainer, SentenceTransformerTrainer
 
-__version__ = "0.1.0"
+try:
+    #: The installed distribution's version (pyproject.toml is the one place it is written).
+    __version__ = _distribution_version("st-ext")
+except _PackageNotFoundError:  # a source tree on sys.path without `pip install -e .`
+    __version__ = "0+unknown"
 
 __all__ = [
     "CrossEncoder",
@@ -34,7 +41,7 @@ if _compat.HAS_SPARSE_ENCODER:
     from sentence_transformers import SparseEncoderTrainingArguments
 
     from st_ext.models import SparseEncoder
-    from st_ext.trainer import SparseEncoderTrainer
+    from st_ext.training.trainer import SparseEncoderTrainer
 
     __all__ += ["SparseEncoder", "SparseEncoderTrainer", "SparseEncoderTrainingArguments"]
 
@@ -42,7 +49,7 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
     from sentence_transformers import MultiVectorEncoderTrainingArguments
 
     from st_ext.models import MultiVectorEncoder
-    from st_ext.trainer import MultiVectorEncoderTrainer
+    from st_ext.training.trainer import MultiVectorEncoderTrainer
 
     __all__ += ["MultiVectorEncoder", "MultiVectorEncoderTrainer", "MultiVectorEncoderTrainingArguments"]
 

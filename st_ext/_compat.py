@@ -1,7 +1,10 @@
 """The one place that knows which upstream versions are installed and how they differ.
 
-Supported: sentence-transformers 4.1.0 … 6.2.0 on transformers 4.51 … 5.x. Everything else in
-st_ext asks this module instead of comparing versions itself. The differences that matter:
+Supported: sentence-transformers 4.1.0 … 6.2.0 on transformers 4.51 … 5.x. Importing this module
+(and so st_ext) with a sentence-transformers outside pyproject's ``>=4.1.0,<6.3`` raises an ImportError
+that names the installed release and the command that fixes it. Everything else in st_ext asks this
+module instead of comparing versions, probing upstream classes for features, or reaching into private
+APIs itself. The differences that matter:
 
 * sentence-transformers 5.4 made ``CrossEncoder`` a modular ``nn.Sequential``; before, it was an
   ``nn.Module`` holding the Hugging Face classifier in ``.model``.
@@ -11,6 +14,16 @@ st_ext asks this module instead of comparing versions itself. The differences th
 * Losses: 6.x marks losses that back-propagate from a hook with ``uses_gradient_cache`` (older
   releases are recognised by class), ``util.all_gather_with_grad`` exists only in newer releases,
   and 6.x's non-cached losses may embed all input columns in one merged forward pass.
+* Losses that come and go: ``DistillKLDivLoss`` is missing from 4.1 (:func:`upstream_loss_class`);
+  5.7 added a shared GradCache base, ``CachedLossMixin``, whose ``calculate_loss`` also takes the
+  labels (:func:`upstream_cached_loss_mixin`); ``MarginMSELoss`` takes several negatives from 5.0.
+* ``BatchHardTripletLossDistanceFunction`` spells its Euclidean distance ``eucledian_distance`` on
+  every release and also ``euclidean_distance`` on newer ones (:func:`upstream_triplet_distance`).
+* sentence-transformers 6 caches accelerate's placement hook on the model and offers
+  ``clear_placement_cache`` (:func:`clear_placement_cache`); accelerate marks the modules it
+  dispatched with private attributes (:func:`has_accelerate_hook`).
+* torch's profiler gives per-allocation sizes with timestamps only through its private kineto
+  results (:func:`profiler_cpu_memory_events`).
 * Archetypes: ``SparseEncoder`` (with its trainer and training arguments) arrived in 5.0,
   ``MultiVectorEncoder`` in 6.0; :func:`missing_archetype_error` says which release a name needs.
 * transformers 5 renamed ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing``
@@ -33,22 +46,36 @@ from torch import Tensor
 
 import sentence_transformers
 import transformers
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
 ST_VERSION = Version(sentence_transformers.__version__)
-TRANSFORMERS_VERSION = Version(transformers.__version__)
 
+#: pyproject's requirement on sentence-transformers, and the oldest and newest releases tested.
+ST_REQUIREMENT = ">=4.1.0,<6.3"
 MIN_ST_VERSION = Version("4.1.0")
 MAX_ST_VERSION = Version("6.2.0")
+
+
+def check_supported_version(version: str | Version) -> None:
+    """Raise an ImportError saying how to fix it unless sentence-transformers ``version`` is supported."""
+    if SpecifierSet(ST_REQUIREMENT).contains(Version(str(version)), prereleases=True):
+        return
+    raise ImportError(
+        f"st_ext supports sentence-transformers {MIN_ST_VERSION} … {MAX_ST_VERSION} "
+        f"('sentence-transformers{ST_REQUIREMENT}'), but sentence-transformers {version} is installed. "
+        f"Install a supported release with: pip install 'sentence-transformers{ST_REQUIREMENT}'",
+        name="sentence_transformers",
+    )
+
+
+check_supported_version(ST_VERSION)
 
 #: Upstream ``CrossEncoder`` has ``gradient_checkpointing_enable`` (added in 5.0.0, upstream PR #3331).
 CROSS_ENCODER_HAS_CHECKPOINTING = ST_VERSION >= Version("5.0.0")
 #: ``MarginMSELoss`` takes (query, positive, negative_1..n) from 5.0.0; before, exactly one negative.
 MARGIN_MSE_TAKES_MANY_NEGATIVES = ST_VERSION >= Version("5.0.0")
-
-#: ``CrossEncoder`` is an ``nn.Sequential`` of modules (5.4+) rather than a wrapper of ``.model``.
-CROSS_ENCODER_IS_MODULAR = ST_VERSION >= Version("5.4.0")
 
 #: transformers' own name for the checkpointing switch (transformers 5 deprecates the old one).
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
@@ -187,6 +214,53 @@ def is_gradient_caching(loss: Any) -> bool:
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
 
+def upstream_loss_class(name: str) -> type | None:
+    """Upstream's loss class ``name``, or None where the installed release lacks it (4.1 has no
+    ``DistillKLDivLoss``)."""
+    return getattr(st_losses(), name, None)
+
+
+def upstream_cached_loss_mixin() -> type | None:
+    """Upstream's shared GradCache base (``CachedLossMixin``, 5.7+), whose ``calculate_loss(reps,
+    labels, *, with_backward)`` st_ext can call; None on releases without it."""
+    try:
+        from sentence_transformers.base.losses.gradcache import CachedLossMixin
+    except ImportError:
+        return None
+    return CachedLossMixin
+
+
+def upstream_triplet_distance(name: str) -> Callable[[Tensor], Tensor] | None:
+    """Upstream's ``BatchHardTripletLossDistanceFunction.<name>``, or None where the installed release
+    has no such name (``euclidean_distance`` is newer than the misspelled ``eucledian_distance``)."""
+    return getattr(st_losses().BatchHardTripletLossDistanceFunction, name, None)
+
+
+def has_accelerate_hook(module: nn.Module) -> bool:
+    """Whether accelerate's dispatch hooked ``module``: its private ``_hf_hook``, or the ``_old_forward``
+    it keeps when it replaces ``forward``."""
+    return hasattr(module, "_hf_hook") or hasattr(module, "_old_forward")
+
+
+def clear_placement_cache(module: nn.Module) -> None:
+    """Make ``module`` forget a cached accelerate placement hook (sentence-transformers 6 keeps one in
+    ``_accelerate_placement_hook`` and offers ``clear_placement_cache``); nothing where it has none."""
+    clear = getattr(module, "clear_placement_cache", None)
+    if callable(clear):
+        clear()
+
+
+def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
+    """(timestamp in ns, signed bytes) of every CPU allocation and free a stopped ``torch.profiler.profile``
+    recorded with ``profile_memory=True``, read from its private kineto results (``prof.profiler.kineto_results``):
+    the one place that gives every allocation and free with its own time, which a peak depends on."""
+    events = []
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            events.append((event.start_ns(), event.nbytes()))
+    return events
+
+
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
     """sentence-transformers' differentiable all-gather, or None where the installed release lacks it."""
     return getattr(st_util, "all_gather_with_grad", None)
@@ -213,3 +287,80 @@ def separate_column_forwards():
     except ImportError:
         return nullcontext()
     return column_merging_disabled()
+
+
+# ----------------------------------------------------------------- torch internals (st_ext.offload)
+# st_ext.offload edits a module's own registries in place, clears its hooks and reads autograd
+# nodes; these are the only places where it names torch's private attributes.
+
+
+def own_parameters(module: nn.Module) -> dict:
+    """``module``'s own parameter registry (not its submodules'), editable in place."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict:
+    """``module``'s own buffer registry (not its submodules'), editable in place."""
+    return module._buffers
+
+
+def own_submodules(module: nn.Module) -> dict:
+    """``module``'s own submodule registry (its children), editable in place."""
+    return module._modules
+
+
+def can_swap_parameter_data(param: Tensor, data: Tensor) -> bool:
+    """Whether ``param.data = data`` keeps the parameter object (torch refuses it across tensor
+    types, e.g. from CPU to ``meta``)."""
+    return torch._has_compatible_shallow_copy_type(param, data)
+
+
+#: nn.Module's hook dictionaries, and the flag dictionaries keyed by hook id kept beside them.
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_MODULE_HOOK_FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
+def clear_module_hooks(module: nn.Module) -> int:
+    """Empty the hook dictionaries of ``module`` itself (not its submodules); how many hooks it had."""
+    removed = 0
+    for attribute in _MODULE_HOOK_DICTS + _MODULE_HOOK_FLAG_DICTS:
+        hooks = getattr(module, attribute, None)
+        if isinstance(hooks, dict):
+            removed += len(hooks) if attribute in _MODULE_HOOK_DICTS else 0
+            hooks.clear()
+    return removed
+
+
+def autograd_node_tensors(node: Any) -> list[Tensor]:
+    """Tensors an autograd node holds: ``variable`` of AccumulateGrad, ``_saved_*`` of built-in
+    nodes, ``saved_tensors`` of custom ``autograd.Function`` nodes (e.g. checkpointing)."""
+    variable = getattr(node, "variable", None)
+    found = [variable] if isinstance(variable, Tensor) else []
+    for attribute in dir(node):
+        if not attribute.startswith("_saved_") and attribute != "saved_tensors":
+            continue
+        try:
+            value = getattr(node, attribute)
+        except RuntimeError:  # freed by a backward pass already
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found += [item for item in values if isinstance(item, Tensor)]
+    return found
+
+
+def information_retrieval_evaluator() -> type:
+    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it under ``sentence_transformer.evaluation``; the old path warns)."""
+    try:
+        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+    except ImportError:
+        from sentence_transformers.evaluation import InformationRetrievalEvaluator
+    return InformationRetrievalEvaluator

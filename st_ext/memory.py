@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from st_ext._compat import profiler_cpu_memory_events
+
 CUDA_METER = "torch.cuda.max_memory_allocated"
 CPU_METER = "torch.profiler allocation events"
 
@@ -92,16 +94,7 @@ def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
         yield result
     finally:
         prof.stop()
-        result.peak_bytes = peak_of_allocation_events(_cpu_allocation_events(prof))
-
-
-def _cpu_allocation_events(prof) -> list[tuple[int, int]]:
-    """(timestamp, signed bytes) of every CPU allocation and free the profiler recorded."""
-    events = []
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
-            events.append((event.start_ns(), event.nbytes()))
-    return events
+        result.peak_bytes = peak_of_allocation_events(profiler_cpu_memory_events(prof))
 
 
 def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:

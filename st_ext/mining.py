@@ -447,7 +447,8 @@ def margin_window(type_of_triplets: str, margin: float) -> tuple[float | None, f
 def rank_in_row(pair_row: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, int]:
     """Each pair's position among the pairs of its row (pairs sorted by row), and the widest row.
 
-    Lays per-anchor lists of varying length out as a padded (rows, width) matrix.
+    Lays per-anchor lists of varying length out as a padded (rows, width) matrix, e.g. of queries
+    for one batched ``searchsorted`` and :func:`count_prefix` (the triplet losses do so too).
     """
     pairs_per_row = torch.bincount(pair_row, minlength=num_rows)
     rank = torch.arange(len(pair_row), device=pair_row.device) - exclusive_cumsum(pairs_per_row)[pair_row]

@@ -25,7 +25,7 @@ from transformers import BertForMaskedLM
 
 import st_ext
 import st_ext.models
-import st_ext.trainer
+import st_ext.training.trainer
 from st_ext import _compat, checkpointing
 from st_ext._compat import preprocess
 from test_trainer import RecordCheckpointing, pair_dataset, scored_pair_dataset, training_args
@@ -116,7 +116,7 @@ def test_archetype_names_import_or_name_the_release_they_need(name):
     since = _compat.ARCHETYPE_SINCE[_compat.ARCHETYPE_OF_NAME[name]]
     installed = re.escape(str(_compat.ST_VERSION))
     expected = rf"{name} needs sentence-transformers >= {re.escape(str(since))}.*{installed} is installed"
-    home = "models" if name in _compat.ARCHETYPE_SINCE else "trainer" if name.endswith("Trainer") else None
+    home = "models" if name in _compat.ARCHETYPE_SINCE else "training.trainer" if name.endswith("Trainer") else None
     for module in ["st_ext"] + ([f"st_ext.{home}"] if home else []):
         with pytest.raises(ImportError, match=expected):
             exec(f"from {module} import {name}", {})

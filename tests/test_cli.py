@@ -82,7 +82,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the budget is 90% of free memory"),
         ),
         (["--data", "/no/such/file.jsonl"], "does not exist"),
-        (["--guide-mode", "sideways"], "guide_mode: 'sideways' is not one of precompute, offload, resident"),
+        (["--guide-mode", "sideways"], "guide_mode: 'sideways' is not one of resident, offload, precompute"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
@@ -108,6 +108,35 @@ def test_malformed_config_is_refused(tmp_path, capsys, content, message):
     config.write_text(content)
     assert main(["train", "--config", str(config)]) == EXIT_BAD_INPUT
     assert message in capsys.readouterr().err
+
+
+def test_flags_win_over_the_config_file(tiny_bert_dir, pairs_file, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"loss": "no_such_loss", "batch-size": 4, "anchor_column": "question"}))
+    args = ["train", "--config", str(config), "--loss", "cached_mnrl", "--batch-size", "1"]
+    args += ["--model", str(tiny_bert_dir), "--data", str(pairs_file), "--output-dir", str(tmp_path / "run")]
+    # The flag's loss replaced the file's unknown one, and the flag's batch size is the one refused.
+    assert main(args) == EXIT_BAD_INPUT
+    assert "batch_size: 1 leaves no in-batch negatives" in capsys.readouterr().err
+
+
+def test_help_lists_every_setting_with_its_default(capsys):
+    from st_ext.cli.job import TrainConfig
+
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in TrainConfig.field_names():
+        assert "--" + name.replace("_", "-") in text
+    for default in ("(default: 32)", "(default: 8)", "(default: [384, 256, 128, 64, 32])", "(default: precompute)"):
+        assert default in text
+
+
+def test_list_losses(capsys):
+    assert main(["train", "--list-losses"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "matryoshka_cached_gist" in names and "cached_mnrl" in names
 
 
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):

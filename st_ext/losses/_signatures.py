@@ -196,16 +196,3 @@ def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
             config[name] = card_value(value)
     return config
 
-
-# ---------------------------------------------------------------------------------------------
-# Upstream's gradient-caching base
-
-
-def upstream_cached_loss_mixin() -> type | None:
-    """Upstream's shared GradCache base (``CachedLossMixin``, 5.7+), whose ``calculate_loss(reps,
-    labels, *, with_backward)`` st_ext can call; None on releases without it."""
-    try:
-        from sentence_transformers.base.losses.gradcache import CachedLossMixin
-    except ImportError:
-        return None
-    return CachedLossMixin

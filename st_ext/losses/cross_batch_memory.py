@@ -53,9 +53,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from st_ext._compat import is_gradient_caching, st_losses
+from st_ext.losses.cached_adapters import cached_loss_view
 from st_ext.losses.gradcache import (
     Features,
-    Ranges,
     Reps,
     batch_size_of,
     chunked_rows,
@@ -233,19 +233,6 @@ def ranking_loss(
     return sum(chunk_losses)
 
 
-@dataclass(frozen=True)
-class CachedRun:
-    """What :func:`gradcache_forward` reads from a cached loss, taken from the wrapped one."""
-
-    model: nn.Module
-    mini_batch_size: int
-    mini_batch_num_tokens: int | None = None
-    show_progress_bar: bool = False
-
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> None:
-        return None
-
-
 def check_ranking_options(loss: nn.Module) -> None:
     """Refuse the MNRL options whose meaning a queue of documents cannot carry."""
     directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
@@ -278,7 +265,7 @@ def ranking_step(
     positive_keys = keys[0] if mask_own_positive else None
     settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
     if is_gradient_caching(loss):
-        value, documents = cached_ranking_step(loss, model, sentence_features, bank, positive_keys, settings)
+        value, documents = cached_ranking_step(loss, sentence_features, bank, positive_keys, settings)
     else:
         embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
         memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
@@ -297,7 +284,6 @@ def ranking_step(
 
 def cached_ranking_step(
     loss: nn.Module,
-    model: nn.Module,
     sentence_features: list[Features],
     bank: MemoryBank,
     positive_keys: Tensor | None,
@@ -306,14 +292,13 @@ def cached_ranking_step(
     """GradCache with the queue inside the loss over embeddings; also returns the no-grad documents.
 
     The documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the
-    gradients were computed for.
+    gradients were computed for. The model and mini-batch settings are the wrapped loss's, read
+    through its registered adapter (:mod:`st_ext.losses.cached_adapters`); the loss over embeddings
+    is the queue-aware one below, not the wrapped loss's own.
     """
-    run = CachedRun(
-        model,
-        loss.mini_batch_size,
-        getattr(loss, "mini_batch_num_tokens", None),
-        getattr(loss, "show_progress_bar", False),
-    )
+    run = cached_loss_view(loss)
+    if run is None:
+        raise TypeError(f"{type(loss).__name__} has no cached-loss adapter; see st_ext.losses.cached_adapters.")
     documents: list[Tensor] = []
 
     def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:

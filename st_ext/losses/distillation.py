@@ -26,6 +26,7 @@ spacing. :class:`TeacherLabels` is computed the same way, so it always equals th
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,12 +34,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from st_ext import offload
-from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, preprocess, st_losses
+from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, preprocess, upstream_loss_class
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
     as_dataset_list,
-    claim_new_keys,
     combined_row_keys,
     decoded_texts,
     embed_frozen,
@@ -58,11 +58,11 @@ _LABEL_KIND_BY_LOSS = {"MSELoss": EMBEDDINGS, "MarginMSELoss": MARGINS, "Distill
 
 def label_kind(loss: nn.Module) -> str:
     """Which teacher output ``loss`` reads: ``"embeddings"``, ``"margins"`` or ``"scores"``."""
-    upstream = st_losses()
     for name, kind in _LABEL_KIND_BY_LOSS.items():
-        if hasattr(upstream, name) and isinstance(loss, getattr(upstream, name)):
+        upstream_class = upstream_loss_class(name)
+        if upstream_class is not None and isinstance(loss, upstream_class):
             return kind
-    supported = ", ".join(name for name in _LABEL_KIND_BY_LOSS if hasattr(upstream, name))
+    supported = ", ".join(name for name in _LABEL_KIND_BY_LOSS if upstream_loss_class(name) is not None)
     raise TypeError(f"DistillationLoss supports {supported}; got {type(loss).__name__}.")
 
 
@@ -153,6 +153,9 @@ class TeacherLabels(KeyedRows):
         loss = DistillationLoss(inner_loss, teacher_labels=table)
     """
 
+    #: A batch's rows, each keyed by its token ids in every column.
+    keys_of = staticmethod(combined_row_keys)
+
     def __repr__(self) -> str:
         return f"TeacherLabels({len(self)} rows, shape={tuple(self.values.shape[1:])})"
 
@@ -178,33 +181,26 @@ class TeacherLabels(KeyedRows):
         check_teacher_kind(teacher, loss, kind)
         teacher.requires_grad_(False).eval()
         retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
-        keys: dict[bytes, int] = {}
-        chunks: list[Tensor] = []
-        placement = frozen_placement(teacher, device, offloaded=device is not None)
         run_device = torch.device(device) if device is not None else module_device(teacher)
         datasets = as_dataset_list(datasets)
-        with placement, tqdm(
-            total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
-        ) as progress:
+
+        def label(features: list[Features], rows: list[int]) -> Tensor:
+            return teacher_labels_from_features(teacher, kind, features, retokenize_with, model.tokenizer).cpu()[rows]
+
+        def batches(progress):
             for dataset in datasets:
                 columns = text_columns(dataset)
                 _check_columns(kind, len(columns))
                 for begin in range(0, len(dataset), batch_size):
                     batch = dataset[begin : begin + batch_size]
                     features = [preprocess(model, batch[column], run_device) for column in columns]
-                    new_rows = claim_new_keys(keys, combined_row_keys(features))
-                    if new_rows:
-                        labels = teacher_labels_from_features(teacher, kind, features, retokenize_with, model.tokenizer)
-                        chunks.append(labels.cpu()[new_rows])
+                    yield features, partial(label, features)
                     progress.update(len(batch[columns[0]]))
-        return cls(keys, torch.cat(chunks) if chunks else torch.empty(0))
 
-    def lookup(self, sentence_features: Sequence[Features]) -> Tensor | None:
-        """The labels of a batch's rows, on the features' device; None if any row is missing."""
-        return self.rows_for(combined_row_keys(sentence_features), features_device(sentence_features[0]))
-
-    def missing(self, sentence_features: Sequence[Features]) -> int:
-        return self.count_missing(combined_row_keys(sentence_features))
+        with frozen_placement(teacher, device, offloaded=device is not None), tqdm(
+            total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
+        ) as progress:
+            return cls.from_batches(batches(progress), empty=torch.empty(0))
 
 
 class DistillationLoss(FrozenEncoderHolder, nn.Module):
@@ -260,6 +256,8 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
 
     encoder_attribute = "teacher"
     offload_attribute = "offload_teacher"
+    table_attribute = "teacher_labels"
+    table_class = TeacherLabels
 
     def __init__(
         self,
@@ -271,7 +269,9 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
     ) -> None:
         super().__init__()
         self.kind = label_kind(loss)
-        _validate_teacher(loss, teacher, teacher_labels, offload_teacher, self.kind)
+        neither = ValueError("DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None.")
+        self._check_encoder_and_table(teacher, teacher_labels, offload_teacher, neither=neither)
+        _validate_teacher(loss, teacher, self.kind)
         self.loss = loss
         if teacher is not None:
             teacher.requires_grad_(False).eval()
@@ -298,26 +298,17 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
 
     def teacher_outputs(self, sentence_features: list[Features]) -> Tensor:
         """The batch's labels: from the table when it holds every row, else from the live teacher."""
-        if self.teacher_labels is not None:
-            looked_up = self.teacher_labels.lookup(sentence_features)
-            if looked_up is not None:
-                return looked_up
-            if self.teacher is None:
-                raise KeyError(
-                    f"{self.teacher_labels.missing(sentence_features)} row(s) of this batch are not in the "
-                    "precomputed teacher labels and the loss has no teacher to fall back on. Build the table from "
-                    "every dataset the loss sees (training and evaluation) with this model's tokenizer, "
-                    "max_seq_length and prompts."
-                )
+        looked_up = self._rows_from_table([sentence_features])
+        if looked_up is not None:
+            return looked_up[0]
         device = features_device(sentence_features[0])
         with frozen_placement(self.teacher, device, self.offload_teacher):
             return teacher_labels_from_features(
                 self.teacher, self.kind, sentence_features, self.retokenize_with, self.model_tokenizer
             )
 
-    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
-        table = TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
-        self.teacher_labels = table if self.teacher_labels is None else self.teacher_labels.extended_with(table)
+    def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> TeacherLabels:
+        return TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
 
     def get_config_dict(self) -> dict[str, Any]:
         """The wrapped loss and its parameters, the teacher (as upstream's GIST cards list their guide),
@@ -335,14 +326,9 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         return getattr(self.loss, "citation", None)
 
 
-def _validate_teacher(loss, teacher, teacher_labels, offload_teacher, kind) -> None:
-    """Reject what would otherwise fail, or silently misbehave, at the first batch."""
-    if teacher is None and teacher_labels is None:
-        raise ValueError("DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None.")
-    if teacher_labels is not None and not isinstance(teacher_labels, TeacherLabels):
-        raise TypeError(f"teacher_labels must be a TeacherLabels table, got {type(teacher_labels).__name__}.")
-    if offload_teacher and teacher is None:
-        raise ValueError("offload_teacher=True needs a teacher to offload.")
+def _validate_teacher(loss, teacher, kind) -> None:
+    """Reject what would otherwise fail, or silently misbehave, at the first batch (after the checks of
+    :meth:`FrozenEncoderHolder._check_encoder_and_table`)."""
     if teacher is None:
         return
     if shares_parameters(loss.model, teacher):

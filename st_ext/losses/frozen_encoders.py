@@ -10,6 +10,7 @@ or the data collator.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
@@ -58,8 +59,10 @@ def module_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def features_device(features: Features) -> torch.device:
-    return next(value.device for value in features.values() if isinstance(value, Tensor))
+def features_device(features: Features | Sequence[Features]) -> torch.device:
+    """Where a column's features (or the first of a batch's columns) are."""
+    first = features if isinstance(features, Mapping) else features[0]
+    return next(value.device for value in first.values() if isinstance(value, Tensor))
 
 
 def decoded_texts(features: Features, tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -147,7 +150,11 @@ def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:
 
 
 class KeyedRows:
-    """Rows of a frozen encoder's output computed before training, looked up by token-id keys."""
+    """Rows of a frozen encoder's output computed before training, looked up by token-id keys.
+
+    A subclass says how a batch's rows are keyed (:meth:`keys_of`): a guide's table by one column's
+    token ids, a teacher's by every column's.
+    """
 
     def __init__(self, keys: dict[bytes, int], values: Tensor) -> None:
         if len(keys) != len(values):
@@ -157,6 +164,31 @@ class KeyedRows:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @staticmethod
+    def keys_of(features: Any) -> list[bytes]:
+        """The keys of the rows of ``features`` (what :meth:`lookup` and :meth:`missing` take)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_batches(cls, batches: Iterable[tuple[Any, Callable[[list[int]], Tensor]]], empty: Tensor):
+        """A table from ``(features, outputs)`` pairs, where ``outputs(rows)`` computes the given rows of
+        ``features`` (indices into the batch). Only the rows whose keys are new are computed; kept on the CPU."""
+        keys: dict[bytes, int] = {}
+        chunks: list[Tensor] = []
+        for features, outputs in batches:
+            new_rows = claim_new_keys(keys, cls.keys_of(features))
+            if new_rows:
+                chunks.append(outputs(new_rows).cpu())
+        return cls(keys, torch.cat(chunks) if chunks else empty)
+
+    def lookup(self, features: Any) -> Tensor | None:
+        """The rows of ``features`` on the features' device; None if any row is missing."""
+        return self.rows_for(self.keys_of(features), features_device(features))
+
+    def missing(self, features: Any) -> int:
+        """How many rows of ``features`` the table lacks."""
+        return self.count_missing(self.keys_of(features))
 
     def rows_for(self, keys: Sequence[bytes], device: torch.device) -> Tensor | None:
         """The rows of ``keys`` on ``device``; None if any key is missing."""
@@ -192,16 +224,55 @@ class KeyedRows:
 
 
 class FrozenEncoderHolder:
-    """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, or a table instead.
+    """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, and/or a
+    table of its outputs (``self.<table_attribute>``).
 
-    Provides what ``SentenceTransformerTrainer(frozen_encoders=...)`` calls (:mod:`st_ext.frozen_encoder_option`):
+    Provides the table-or-live choice (:meth:`_rows_from_table`) and what
+    ``SentenceTransformerTrainer(frozen_encoders=...)`` calls (:mod:`st_ext.training.frozen_encoders`):
     :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`. A subclass names its
-    attributes and builds its table in :meth:`_precompute_table`.
+    attributes and its table's class, and builds a table in :meth:`_table_for`.
     """
 
-    #: The attribute holding the encoder, and the one saying whether it is offloaded.
+    #: The attribute holding the encoder ("guide"), the one saying whether it is offloaded, and the one
+    #: holding the precomputed table ("guide_embeddings": error messages name it with spaces).
     encoder_attribute: ClassVar[str]
     offload_attribute: ClassVar[str]
+    table_attribute: ClassVar[str]
+    table_class: ClassVar[type[KeyedRows]]
+
+    @classmethod
+    def _check_encoder_and_table(
+        cls, encoder: nn.Module | None, table: KeyedRows | None, offloaded: bool, *, neither: Exception
+    ) -> None:
+        """Raise ``neither`` without an encoder and a table, and on a table of the wrong class or an
+        offload with no encoder."""
+        if encoder is None and table is None:
+            raise neither
+        if table is not None and not isinstance(table, cls.table_class):
+            raise TypeError(
+                f"{cls.table_attribute} must be a {cls.table_class.__name__} table, got {type(table).__name__}."
+            )
+        if offloaded and encoder is None:
+            raise ValueError(f"{cls.offload_attribute}=True needs a {cls.encoder_attribute} to offload.")
+
+    def _rows_from_table(self, lookups: Sequence[Any]) -> list[Tensor] | None:
+        """The table's rows of each of ``lookups`` (what its ``lookup`` takes) when it holds them all; None
+        when the live encoder must compute them instead. Raises ``KeyError`` when rows are missing and
+        there is no encoder to fall back on."""
+        table = getattr(self, self.table_attribute)
+        if table is None:
+            return None
+        found = [table.lookup(item) for item in lookups]
+        if all(rows is not None for rows in found):
+            return found
+        if getattr(self, self.encoder_attribute) is None:
+            missing = sum(table.missing(item) for item in lookups)
+            raise KeyError(
+                f"{missing} row(s) of this batch are not in the precomputed {self.table_attribute.replace('_', ' ')} "
+                f"and the loss has no {self.encoder_attribute} to fall back on. Build the table from every dataset "
+                "the loss sees (training and evaluation) with this model's tokenizer, max_seq_length and prompts."
+            )
+        return None
 
     def _hold_encoder(self, encoder: nn.Module | None, offloaded: bool) -> None:
         """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU
@@ -216,8 +287,8 @@ class FrozenEncoderHolder:
     def _check_can_let_go(self, encoder: nn.Module) -> None:
         """Raise if ``encoder`` may not be frozen, moved or released (e.g. it shares the model's weights)."""
 
-    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
-        """Compute the encoder's table for ``datasets`` and keep it, extending a table the loss already has."""
+    def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> KeyedRows:
+        """The encoder's table for ``datasets`` (``kwargs``: those of :meth:`precompute_frozen_encoder`)."""
         raise NotImplementedError
 
     def offload_frozen_encoder(self) -> None:
@@ -245,9 +316,11 @@ class FrozenEncoderHolder:
         if encoder is None:
             return None
         self._check_can_let_go(encoder)
-        self._precompute_table(
+        table = self._table_for(
             encoder, datasets, device=device, batch_size=batch_size, show_progress_bar=show_progress_bar
         )
+        held = getattr(self, self.table_attribute)
+        setattr(self, self.table_attribute, table if held is None else held.extended_with(table))
         self._modules.pop(self.encoder_attribute, None)
         self.__dict__.pop(self.encoder_attribute, None)
         self._hold_encoder(None, offloaded=False)

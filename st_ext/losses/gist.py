@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -35,7 +36,6 @@ from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
     as_dataset_list,
-    claim_new_keys,
     embed_frozen,
     features_device,
     frozen_placement,
@@ -104,6 +104,9 @@ class GuideEmbeddings(KeyedRows):
         loss = CachedGISTEmbedLoss(model, guide_embeddings=table, mini_batch_size=64)
     """
 
+    #: A column's rows, each keyed by its own token ids.
+    keys_of = staticmethod(row_token_keys)
+
     @property
     def embeddings(self) -> Tensor:
         return self.values
@@ -128,21 +131,19 @@ class GuideEmbeddings(KeyedRows):
         """
         retokenize_with = retokenizer_for(model, guide)
         texts = list(dict.fromkeys(texts))
-        keys: dict[bytes, int] = {}
-        chunks: list[Tensor] = []
+
+        def embed(features: Features, rows: list[int]) -> Tensor:
+            return embed_frozen(guide, select_rows(features, rows), retokenize_with, torch.device("cpu"))
+
+        def batches():
+            for begin in tqdm(range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar):
+                features = preprocess(model, texts[begin : begin + batch_size])
+                yield features, partial(embed, features)
+
         if device is not None:
             guide.requires_grad_(False)
         with frozen_placement(guide, device, offloaded=device is not None):
-            for begin in tqdm(
-                range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
-            ):
-                features = preprocess(model, texts[begin : begin + batch_size])
-                new_rows = claim_new_keys(keys, row_token_keys(features))
-                if new_rows:
-                    selected = select_rows(features, new_rows)
-                    chunks.append(embed_frozen(guide, selected, retokenize_with, torch.device("cpu")))
-        embeddings = torch.cat(chunks) if chunks else torch.empty(0, 0)
-        return cls(keys, embeddings)
+            return cls.from_batches(batches(), empty=torch.empty(0, 0))
 
     @classmethod
     def from_dataset(
@@ -186,23 +187,17 @@ class GuideEmbeddings(KeyedRows):
             columns = [c for c in text_columns(dataset) if offload.embedding_column_name(c, template) in present]
         if not columns:
             raise ValueError(f"No text column of {dataset.column_names} has a precomputed {template!r} column.")
-        keys: dict[bytes, int] = {}
-        rows: list[Tensor] = []
-        for column in columns:
-            texts = dataset[column]
-            precomputed = dataset[offload.embedding_column_name(column, template)]
-            embeddings = torch.as_tensor(np.asarray(precomputed, dtype=np.float32))
-            for begin in range(0, len(texts), batch_size):
-                features = preprocess(model, texts[begin : begin + batch_size])
-                rows.extend(embeddings[begin + offset] for offset in claim_new_keys(keys, row_token_keys(features)))
-        return cls(keys, torch.stack(rows))
 
-    def lookup(self, features: Features) -> Tensor | None:
-        """The guide embeddings of a column's rows, on the features' device; None if any row is missing."""
-        return self.rows_for(row_token_keys(features), features_device(features))
+        def batches():
+            for column in columns:
+                texts = dataset[column]
+                precomputed = dataset[offload.embedding_column_name(column, template)]
+                embeddings = torch.as_tensor(np.asarray(precomputed, dtype=np.float32))
+                for begin in range(0, len(texts), batch_size):
+                    chunk = embeddings[begin : begin + batch_size]
+                    yield preprocess(model, texts[begin : begin + batch_size]), lambda rows, chunk=chunk: chunk[rows]
 
-    def missing(self, features: Features) -> int:
-        return self.count_missing(row_token_keys(features))
+        return cls.from_batches(batches(), empty=torch.empty(0, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +315,8 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
 
     encoder_attribute = "guide"
     offload_attribute = "offload_guide"
+    table_attribute = "guide_embeddings"
+    table_class = GuideEmbeddings
 
     def _set_up(
         self,
@@ -335,9 +332,10 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         guide_embeddings: GuideEmbeddings | None,
         offload_guide: bool,
     ) -> None:
-        _validate_gist_arguments(
-            model, guide, temperature, margin_strategy, guide_embeddings, offload_guide, gather_across_devices
-        )
+        # TypeError without guide and table, as upstream's missing `guide` argument raises.
+        neither = TypeError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
+        self._check_encoder_and_table(guide, guide_embeddings, offload_guide, neither=neither)
+        _validate_gist_arguments(model, guide, temperature, margin_strategy, offload_guide, gather_across_devices)
         self.model = model
         self._hold_encoder(guide, offloaded=offload_guide)
         self.retokenize_with = None if guide is None else retokenizer_for(model, guide)
@@ -364,17 +362,9 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
 
     def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
         """The guide's embeddings: from the table when it holds every row, else from the live guide."""
-        if self.guide_embeddings is not None:
-            looked_up = [self.guide_embeddings.lookup(features) for features in sentence_features]
-            if all(embeddings is not None for embeddings in looked_up):
-                return [[embeddings] for embeddings in looked_up]
-            if self.guide is None:
-                missing = sum(self.guide_embeddings.missing(features) for features in sentence_features)
-                raise KeyError(
-                    f"{missing} row(s) of this batch are not in the precomputed guide embeddings and the loss has "
-                    "no guide to fall back on. Build the table from every dataset the loss sees (training and "
-                    "evaluation) with this model's tokenizer, max_seq_length and prompts."
-                )
+        looked_up = self._rows_from_table(sentence_features)
+        if looked_up is not None:
+            return [[embeddings] for embeddings in looked_up]
         return guide_pass(
             self.guide,
             sentence_features,
@@ -387,9 +377,8 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
     def _check_can_let_go(self, encoder: nn.Module) -> None:
         _refuse_shared_guide(self.model, encoder)
 
-    def _precompute_table(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> None:
-        table = GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
-        self.guide_embeddings = table if self.guide_embeddings is None else self.guide_embeddings.extended_with(table)
+    def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> GuideEmbeddings:
+        return GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
 
     def get_config_dict(self) -> dict[str, Any]:
         """Upstream's parameters in upstream's order; ``guide_embeddings``, ``offload_guide`` (and
@@ -620,18 +609,11 @@ def _validate_gist_arguments(
     guide: nn.Module | None,
     temperature: float,
     margin_strategy: str,
-    guide_embeddings: GuideEmbeddings | None,
     offload_guide: bool,
     gather_across_devices: bool,
 ) -> None:
-    """Reject what would otherwise fail, or silently misbehave, at the first batch."""
-    if guide is None and guide_embeddings is None:
-        # TypeError, as upstream's missing `guide` argument raises.
-        raise TypeError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
-    if guide_embeddings is not None and not isinstance(guide_embeddings, GuideEmbeddings):
-        raise TypeError(f"guide_embeddings must be a GuideEmbeddings table, got {type(guide_embeddings).__name__}.")
-    if offload_guide and guide is None:
-        raise ValueError("offload_guide=True needs a guide to offload.")
+    """Reject what would otherwise fail, or silently misbehave, at the first batch (after the checks of
+    :meth:`FrozenEncoderHolder._check_encoder_and_table`)."""
     if offload_guide:
         _refuse_shared_guide(model, guide)
     if not temperature > 0:

@@ -32,101 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_ext._compat import st_losses
-from st_ext.losses._signatures import named_like_upstream, upstream_cached_loss_mixin
-from st_ext.losses.gist import CachedGISTEmbedLoss, guide_pass
-from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Ranges, Reps, gradcache_forward
+from st_ext.losses._signatures import named_like_upstream
+from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
+from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward
 
 _upstream = st_losses()
-
-
-# ---------------------------------------------------------------------------------------------
-# Upstream cached losses, seen through the CachedLoss protocol (read-only: nothing is set on them)
-
-
-class UpstreamCachedLoss:
-    """An upstream cached ranking loss as a :class:`CachedLoss`: ``CachedMultipleNegatives(Symmetric)RankingLoss``,
-    and on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
-
-    Calls the class's ``calculate_loss``, not the instance's, so an instance that upstream's
-    ``MatryoshkaLoss`` already decorated is not truncated a second time.
-    """
-
-    def __init__(self, loss: nn.Module) -> None:
-        self.loss = loss
-
-    @property
-    def model(self) -> nn.Module:
-        return self.loss.model
-
-    @property
-    def mini_batch_size(self) -> int:
-        return self.loss.mini_batch_size
-
-    @property
-    def mini_batch_num_tokens(self) -> int | None:
-        return getattr(self.loss, "mini_batch_num_tokens", None)
-
-    @property
-    def show_progress_bar(self) -> bool:
-        return getattr(self.loss, "show_progress_bar", False)
-
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps | None:
-        return None
-
-    def loss_from_embeddings(
-        self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
-    ) -> Tensor:
-        calculate_loss = type(self.loss).calculate_loss
-        mixin = upstream_cached_loss_mixin()
-        if mixin is not None and isinstance(self.loss, mixin):
-            # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
-            return calculate_loss(self.loss, reps, labels, with_backward=with_backward)
-        return calculate_loss(self.loss, reps, with_backward=with_backward)
-
-
-class UpstreamCachedGIST(UpstreamCachedLoss):
-    """An upstream ``CachedGISTEmbedLoss`` as a :class:`CachedLoss`: its guide runs once, in step (1)."""
-
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
-        retokenize_with = self.loss.tokenizer if self.loss.must_retokenize else None
-        return guide_pass(
-            self.loss.guide, sentence_features, ranges, retokenize_with, show_progress_bar=self.show_progress_bar
-        )
-
-    def loss_from_embeddings(
-        self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
-    ) -> Tensor:
-        return type(self.loss).calculate_loss(self.loss, reps, frozen, with_backward=with_backward)
-
-
-def cached_loss_view(loss: nn.Module) -> CachedLoss | None:
-    """``loss`` as a :class:`CachedLoss` when st_ext runs its GradCache itself, else None.
-
-    None means upstream's ``MatryoshkaLoss`` handles ``loss`` exactly as it would without st_ext
-    (including a gradient-caching loss st_ext cannot reach into: upstream then raises or runs it
-    as the installed release does).
-    """
-    if isinstance(loss, MatryoshkaLoss) and loss.uses_gradient_cache:
-        raise TypeError(
-            "A MatryoshkaLoss over a cached loss cannot be wrapped again: its gradients are computed in its "
-            "own backward pass, which an outer MatryoshkaLoss cannot truncate. Give one MatryoshkaLoss all "
-            "the dimensions instead."
-        )
-    if isinstance(loss, CachedGISTEmbedLoss):
-        return loss
-    if isinstance(loss, _upstream.CachedGISTEmbedLoss):
-        return UpstreamCachedGIST(loss)
-    if isinstance(loss, _upstream_cached_ranking_losses()):
-        return UpstreamCachedLoss(loss)
-    mixin = upstream_cached_loss_mixin()
-    if mixin is not None and isinstance(loss, mixin) and getattr(loss, "uses_gradient_cache", False):
-        return UpstreamCachedLoss(loss)
-    return None
-
-
-def _upstream_cached_ranking_losses() -> tuple[type, ...]:
-    names = ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
-    return tuple(getattr(_upstream, name) for name in names if hasattr(_upstream, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +118,8 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
 
     * Cached losses (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``,
       ``CachedGISTEmbedLoss``, upstream's or st_ext's, and on 5.7+ every loss built on upstream's
-      GradCache base such as ``MegaBatchMarginLoss``): GradCache runs here (see the module
+      GradCache base such as ``MegaBatchMarginLoss``; every loss registered in
+      :mod:`st_ext.losses.cached_adapters`): GradCache runs here (see the module
       docstring). Peak memory does not grow with the number of dimensions; the wrapped instance
       can be wrapped again or used bare; ``n_dims_per_step`` is honoured (4.x's upstream ignores
       it for cached losses).
@@ -275,3 +186,16 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
         loss_fn = partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
         return gradcache_forward(view, sentence_features, labels, loss_fn)
+
+
+def _refuse_nested_cached(loss: MatryoshkaLoss) -> None:
+    """A MatryoshkaLoss is never itself a cached loss to wrap; over a cached loss it cannot be wrapped at all."""
+    if loss.uses_gradient_cache:
+        raise TypeError(
+            "A MatryoshkaLoss over a cached loss cannot be wrapped again: its gradients are computed in its "
+            "own backward pass, which an outer MatryoshkaLoss cannot truncate. Give one MatryoshkaLoss all "
+            "the dimensions instead."
+        )
+
+
+register_cached_loss(MatryoshkaLoss, _refuse_nested_cached)

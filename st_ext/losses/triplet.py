@@ -30,9 +30,9 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_ext._compat import st_losses
+from st_ext._compat import st_losses, upstream_triplet_distance
 from st_ext.losses._signatures import named_like_upstream, upstream_default
-from st_ext.mining import anchors_with_triplets, group_by_class, positive_pairs
+from st_ext.mining import anchors_with_triplets, count_prefix, group_by_class, positive_pairs, rank_in_row
 
 DistanceMetric = Callable[[Tensor], Tensor]
 TripletLossFunction = Callable[[Tensor, Tensor, Tensor, float], Tensor]
@@ -87,12 +87,11 @@ def cosine_distance(embeddings: Tensor) -> Tensor:
 def known_pairwise_metrics() -> dict[Callable, Callable[[Tensor, Tensor], Tensor]]:
     """Batch metrics (st_ext's and upstream's, under every name the installed release defines) that
     have a B×R form, so a memory costs B×R rather than a full (B+M)×(B+M) matrix."""
-    upstream = st_losses().BatchHardTripletLossDistanceFunction
     by_name = {"euclidean_distance": euclidean_pairwise, "eucledian_distance": euclidean_pairwise}
     by_name["cosine_distance"] = cosine_pairwise
     metrics = {euclidean_distance: euclidean_pairwise, cosine_distance: cosine_pairwise}
     for name, pairwise in by_name.items():
-        function = getattr(upstream, name, None)
+        function = upstream_triplet_distance(name)
         if function is not None:
             metrics[function] = pairwise
     return metrics
@@ -147,46 +146,21 @@ def previous_float(value: float, dtype: torch.dtype) -> float:
     return float(torch.nextafter(torch.tensor(value, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)))
 
 
-def rank_in_row(pair_row: Tensor, num_rows: int) -> tuple[Tensor, int]:
-    """Each pair's position among its row's pairs (pairs sorted by row), and the most pairs in a row:
-    per-row queries laid out as a padded (rows, width) matrix for one batched ``searchsorted``."""
-    pairs_per_row = torch.bincount(pair_row, minlength=num_rows)
-    first_of_row = torch.cumsum(pairs_per_row, 0) - pairs_per_row
-    rank = torch.arange(len(pair_row), device=pair_row.device) - first_of_row[pair_row]
-    return rank, int(pairs_per_row.max()) if num_rows else 0
-
-
 def count_within(sorted_rows: Tensor, pair_row: Tensor, row_length: Tensor, value: Tensor, bound: float) -> Tensor:
     """Per pair: how many of its row's first ``row_length`` ascending entries ``x`` satisfy
     ``x - value <= bound``, exactly as that float expression evaluates.
 
-    ``x - value`` never falls as ``x`` grows, so they are a prefix. ``searchsorted`` on
-    ``value + bound`` finds its end up to the rounding of that sum; a guess is right iff the entry
-    before it passes and the one at it fails, and the rare wrong ones are bisected.
+    ``x - value`` never falls as ``x`` grows, so they are a prefix. Each row's pairs are laid out as
+    a padded (rows, pairs) query matrix for :func:`st_ext.mining.count_prefix`, which guesses with
+    ``searchsorted`` on ``value + bound`` and bisects the rare wrong guesses. Padding queries are
+    -inf, where the (right) guess is 0.
     """
-    width = sorted_rows.shape[1]
     rank, pairs_width = rank_in_row(pair_row, len(sorted_rows))
-    queries = sorted_rows.new_full((len(sorted_rows), max(pairs_width, 1)), math.inf)
-    queries[pair_row, rank] = value + bound
-    count = torch.minimum(torch.searchsorted(sorted_rows, queries, right=True)[pair_row, rank], row_length)
-
-    def passes(position: Tensor, rows: Tensor, values: Tensor) -> Tensor:
-        return sorted_rows[rows, position.clamp(0, width - 1)] - values <= bound
-
-    right = ((count == 0) | passes(count - 1, pair_row, value)) & (
-        (count == row_length) | ~passes(count, pair_row, value)
-    )
-    wrong = torch.nonzero(~right).squeeze(1)
-    if len(wrong):
-        low, high = torch.zeros_like(wrong), row_length[wrong].clone()
-        for _ in range(math.ceil(math.log2(width + 1))):
-            middle = (low + high) // 2
-            ok = passes(middle, pair_row[wrong], value[wrong])
-            active = low < high
-            low = torch.where(active & ok, middle + 1, low)
-            high = torch.where(active & ~ok, middle, high)
-        count[wrong] = low
-    return count
+    queries = sorted_rows.new_full((len(sorted_rows), max(pairs_width, 1)), -math.inf)
+    queries[pair_row, rank] = value
+    guess = torch.searchsorted(sorted_rows, queries + bound, right=True)
+    count = count_prefix(sorted_rows, queries, lambda x, query: x - query <= bound, guess)
+    return torch.minimum(count[pair_row, rank], row_length)
 
 
 class MarginPrefixes(NamedTuple):

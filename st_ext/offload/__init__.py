@@ -10,22 +10,24 @@
 - :func:`precompute_embeddings` encodes dataset columns once, then may release the encoder.
 
 A module being trained is refused (:class:`TrainableModuleError`) unless ``force=True``.
+
+Modules, lowest first: ``process_memory`` (meters, handing memory back), ``records`` (a module's
+tensors by name, and the records and reports of a release), ``guards`` (the exceptions and the
+checks that raise them), ``placement`` (moves, accelerate hooks), ``leftover_check`` (what is still
+alive and who holds it), ``releasing`` (:func:`release`) and ``precompute``.
 """
 
-from st_ext.offload.errors import (
+from st_ext.offload.guards import (
     DispatchedModuleError,
     LeftoverError,
     OffloadError,
     ReleasedModuleError,
     TrainableModuleError,
-)
-from st_ext.offload.guards import (
     is_released,
     refuse_if_released,
     refuse_if_trainable,
     remove_release_guard,
 )
-from st_ext.offload.inventory import describe_module, name_or_path_of
 from st_ext.offload.leftover_check import assert_released, leftovers
 from st_ext.offload.placement import offload, on_device, onload
 from st_ext.offload.precompute import (
@@ -41,8 +43,15 @@ from st_ext.offload.process_memory import (
     process_rss_bytes,
     read_memory,
 )
+from st_ext.offload.records import (
+    Leftover,
+    LeftoverReport,
+    ReleaseRecord,
+    ReleaseReport,
+    describe_module,
+    name_or_path_of,
+)
 from st_ext.offload.releasing import release
-from st_ext.offload.reports import Leftover, LeftoverReport, ReleaseRecord, ReleaseReport
 
 __all__ = [
     "CPU_MEMORY_METER",

@@ -1,9 +1,10 @@
-"""Checks on input, and the guard a released module carries.
+"""The refusals of st_ext.offload: its exceptions, and the checks and guard that raise them.
 
 Offloading or releasing a module that is being trained (a parameter that requires grad, or one in
 an optimizer passed in) is refused unless ``force=True``: moving it would silently break training.
 A released module carries its :class:`~st_ext.offload.ReleaseRecord` and forward pre-hooks that
-raise :class:`~st_ext.offload.ReleasedModuleError`, so that using it again fails clearly.
+raise :class:`ReleasedModuleError`, so that using it again fails clearly. The exceptions live here
+too, so that every step can raise them; callers catch :class:`OffloadError` for any refusal.
 """
 
 from __future__ import annotations
@@ -13,11 +14,32 @@ from typing import Any
 
 from torch import nn
 
-from st_ext.offload.errors import ReleasedModuleError, TrainableModuleError
-from st_ext.offload.inventory import _first_names, describe_module
-from st_ext.offload.reports import ReleaseRecord
+from st_ext.offload.records import ReleaseRecord, describe_module, first_names
 
 _RECORD_ATTRIBUTE = "_st_ext_release_record"
+
+
+class OffloadError(RuntimeError):
+    """Base class of the errors st_ext.offload raises."""
+
+
+class TrainableModuleError(OffloadError):
+    """The module is being trained; moving or releasing it would break training."""
+
+
+class ReleasedModuleError(OffloadError):
+    """The module was released: its weights are gone and it cannot run."""
+
+
+class DispatchedModuleError(OffloadError):
+    """accelerate owns the module's weights (cpu/disk offload), so they cannot be moved here."""
+
+
+class LeftoverError(AssertionError):
+    """Something of a released module is still alive; raised by :func:`assert_released`.
+
+    An ``AssertionError`` because :func:`~st_ext.offload.assert_released` is meant for tests.
+    """
 
 
 def refuse_if_trainable(
@@ -42,9 +64,9 @@ def refuse_if_trainable(
         return
     reasons = []
     if requiring_grad:
-        reasons.append(f"{len(requiring_grad)} parameters require grad (e.g. {_first_names(requiring_grad)})")
+        reasons.append(f"{len(requiring_grad)} parameters require grad (e.g. {first_names(requiring_grad)})")
     if in_optimizer:
-        reasons.append(f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {_first_names(in_optimizer)})")
+        reasons.append(f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {first_names(in_optimizer)})")
     raise TrainableModuleError(
         f"Refusing to {action} {describe_module(module)}: it is being trained: {'; '.join(reasons)}. "
         "A frozen encoder (guide, teacher) does not need gradients: freeze it with "
@@ -55,14 +77,14 @@ def refuse_if_trainable(
 
 def refuse_if_released(module: nn.Module) -> None:
     """Raise :class:`ReleasedModuleError` if ``module`` was released by :func:`release`."""
-    record = _release_record_of_module(module)
+    record = release_record_of(module)
     if record is not None:
         raise ReleasedModuleError(record.released_message())
 
 
 def is_released(module: nn.Module) -> bool:
     """Whether :func:`release` was called on ``module`` (and :func:`remove_release_guard` was not)."""
-    return _release_record_of_module(module) is not None
+    return release_record_of(module) is not None
 
 
 def _parameter_ids_in(optimizers: Iterable[Any]) -> set[int]:
@@ -74,7 +96,7 @@ def _parameter_ids_in(optimizers: Iterable[Any]) -> set[int]:
     return ids
 
 
-def _install_release_guard(module: nn.Module, record: ReleaseRecord) -> None:
+def install_release_guard(module: nn.Module, record: ReleaseRecord) -> None:
     """Make every call of the module or of any submodule raise :class:`ReleasedModuleError`.
 
     On every submodule, not just the root: ``SentenceTransformer.encode`` calls ``self.forward``
@@ -100,5 +122,6 @@ def remove_release_guard(module: nn.Module) -> None:
         record.guard_handles.clear()
 
 
-def _release_record_of_module(module: Any) -> ReleaseRecord | None:
+def release_record_of(module: Any) -> ReleaseRecord | None:
+    """The record :func:`release` left on ``module``, or None when it was not released."""
     return getattr(module, "__dict__", {}).get(_RECORD_ATTRIBUTE)

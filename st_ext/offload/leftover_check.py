@@ -4,29 +4,43 @@ A single forgotten reference is enough to keep everything. transformers maps a s
 into memory and every parameter's storage points into that one mapping, so one surviving 1.5 KB
 bias keeps the whole 90 MB of all-MiniLM-L6-v2 resident. Weak references to every parameter and
 buffer (and to their storages), recorded before the release, must be dead afterwards; anything
-still alive is reported by name, with what holds it (traced by :mod:`st_ext.offload.tracing`)
-and the memory before and after.
+still alive is reported by name, with what holds it and the memory before and after.
+
+Holders are traced through the objects Python's garbage collector tracks (attributes, closures,
+containers) and through autograd graphs hanging off live tensors; the walks are bounded, because
+each step scans the heap.
 """
 
 from __future__ import annotations
 
+import gc
+import re
+import types
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from st_ext.offload.errors import LeftoverError
-from st_ext.offload.guards import _release_record_of_module
-from st_ext.offload.inventory import _named_tensors, _tensor_kind, describe_module
-from st_ext.offload.process_memory import _return_freed_memory, read_memory
-from st_ext.offload.reports import (
-    _TRACED_LEFTOVERS_LIMIT,
+from st_ext._compat import autograd_node_tensors
+from st_ext.offload.guards import LeftoverError, release_record_of
+from st_ext.offload.process_memory import read_memory, return_freed_memory
+from st_ext.offload.records import (
+    TRACED_LEFTOVERS_LIMIT,
     Leftover,
     LeftoverReport,
     ReleaseRecord,
     ReleaseReport,
-    _TrackedTensor,
+    TrackedTensor,
+    describe_module,
+    named_tensors,
+    storage_key,
+    tensor_kind,
 )
-from st_ext.offload.tracing import _holder_paths, _tensors_sharing_storage, _unique
+
+_HOLDER_PATHS_LIMIT = 3
+_HOLDER_DEPTH_LIMIT = 6
+_GRAPH_NODES_LIMIT = 200_000
 
 
 def leftovers(target: nn.Module | ReleaseRecord | ReleaseReport) -> LeftoverReport:
@@ -40,7 +54,7 @@ def leftovers(target: nn.Module | ReleaseRecord | ReleaseReport) -> LeftoverRepo
     reported as untraced.
     """
     record = _record_of(target)
-    _return_freed_memory()
+    return_freed_memory()
     alive = _alive_tracked(record)
     leftover_list = [
         Leftover(
@@ -79,7 +93,7 @@ def _record_of(target: Any) -> ReleaseRecord:
         return target
     if isinstance(target, ReleaseReport):
         return target.record
-    record = _release_record_of_module(target)
+    record = release_record_of(target)
     if record is None:
         raise ValueError(
             f"{describe_module(target) if isinstance(target, nn.Module) else type(target).__name__} "
@@ -88,7 +102,7 @@ def _record_of(target: Any) -> ReleaseRecord:
     return record
 
 
-def _alive_tracked(record: ReleaseRecord) -> list[tuple[_TrackedTensor, str]]:
+def _alive_tracked(record: ReleaseRecord) -> list[tuple[TrackedTensor, str]]:
     """Tracked tensors whose object or storage is still alive, with which of the two."""
     alive = []
     for entry in record.tracked:
@@ -107,18 +121,18 @@ def _tensors_back_on_a_device(record: ReleaseRecord) -> list[Leftover]:
     return [
         Leftover(
             name=name,
-            kind=_tensor_kind(module, name),
+            kind=tensor_kind(module, name),
             nbytes=tensor.numel() * tensor.element_size(),
             device=str(tensor.device),
             how=f"it is in the released module, on {tensor.device} (assigned after the release)",
             held_by=[record.description],
         )
-        for name, tensor in _named_tensors(module)
+        for name, tensor in named_tensors(module)
         if not tensor.is_meta
     ]
 
 
-def _trace_holders(record: ReleaseRecord, alive: list[tuple[_TrackedTensor, str]], found: list[Leftover]) -> None:
+def _trace_holders(record: ReleaseRecord, alive: list[tuple[TrackedTensor, str]], found: list[Leftover]) -> None:
     """Fill ``held_by`` of the first leftovers (tracing is one heap scan per step, so bounded)."""
     keys = {entry.storage_key for entry, _ in alive if entry.storage_key is not None}
     sharing, graph_roots = _tensors_sharing_storage(keys)
@@ -131,8 +145,8 @@ def _trace_holders(record: ReleaseRecord, alive: list[tuple[_TrackedTensor, str]
         return described[id(obj)]
 
     for index, (entry, _how) in enumerate(alive):
-        if index >= _TRACED_LEFTOVERS_LIMIT:
-            found[index].held_by = [f"not traced (only the first {_TRACED_LEFTOVERS_LIMIT} leftovers are)"]
+        if index >= TRACED_LEFTOVERS_LIMIT:
+            found[index].held_by = [f"not traced (only the first {TRACED_LEFTOVERS_LIMIT} leftovers are)"]
             continue
         held_by: list[str] = []
         tensor = entry.tensor_ref()
@@ -148,6 +162,192 @@ def _trace_holders(record: ReleaseRecord, alive: list[tuple[_TrackedTensor, str]
                 for path in holders_of(root) or ["an untraced reference"]
             ]
         del tensor
-        found[index].held_by = _unique(held_by) or [
+        found[index].held_by = list(dict.fromkeys(held_by)) or [
             "nothing Python's gc tracks (a local variable of a running function, or C++ state)"
         ]
+
+
+# --------------------------------------------------------------------------- who holds a tensor
+
+
+def _tensors_sharing_storage(keys: set[tuple[str, int]]) -> tuple[dict, dict]:
+    """Live tensors whose storage is one of ``keys``, and the outermost live tensors whose
+    autograd graph saved such a storage for backward (an output computed with grad keeps the
+    weights it used)."""
+    sharing: dict[tuple[str, int], list[torch.Tensor]] = {}
+    if not keys:
+        return sharing, {}
+    live = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]  # type(): no __class__ lookups
+    for tensor in live:
+        key = storage_key(tensor)
+        if key in keys:
+            sharing.setdefault(key, []).append(tensor)
+    return sharing, _graph_roots_saving(keys, [tensor for tensor in live if tensor.grad_fn is not None])
+
+
+@dataclass
+class _GraphWalk:
+    """State shared by the walks from every live tensor with a ``grad_fn``.
+
+    Each node is walked once and belongs to the first root that reached it. Intermediate tensors
+    (hidden states saved for backward) are live tensors too; a root whose ``grad_fn`` another
+    root's walk reaches is "covered" by it, so that the graph is reported under its outermost
+    tensor, the one user code holds.
+    """
+
+    keys: set
+    walked_by: dict[int, int] = field(default_factory=dict)
+    started_by: dict[int, int] = field(default_factory=dict)
+    covered_by: dict[int, int] = field(default_factory=dict)
+    kept_nodes: list = field(default_factory=list)  # keeps node ids unique while walking
+
+    def walk(self, root_index: int, start: Any) -> set:
+        """Keys among ``keys`` saved in the part of the graph first reached from ``start``."""
+        if id(start) in self.walked_by:
+            self._cover(self.walked_by[id(start)], over=root_index)
+            return set()
+        self.started_by[id(start)] = root_index
+        found, pending = set(), [start]
+        while pending and len(self.kept_nodes) < _GRAPH_NODES_LIMIT:
+            node = pending.pop()
+            if node is None:
+                continue
+            if id(node) in self.walked_by:
+                other = self.started_by.get(id(node))
+                if other is not None and other != root_index:
+                    self._cover(root_index, over=other)
+                continue
+            self.walked_by[id(node)] = root_index
+            self.kept_nodes.append(node)
+            found.update(key for key in map(storage_key, autograd_node_tensors(node)) if key in self.keys)
+            pending.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+        return found
+
+    def _cover(self, outer: int, *, over: int) -> None:
+        if outer != over:
+            self.covered_by.setdefault(over, outer)
+
+    def outermost(self, index: int) -> int:
+        for _ in range(len(self.covered_by) + 1):
+            if index not in self.covered_by:
+                break
+            index = self.covered_by[index]
+        return index
+
+
+def _graph_roots_saving(keys: set, roots: list[torch.Tensor]) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """For each key, the outermost live tensors whose autograd graph saved that storage."""
+    graph = _GraphWalk(keys)
+    found_by_root = {index: graph.walk(index, root.grad_fn) for index, root in enumerate(roots)}
+    result: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for index, found in found_by_root.items():
+        outer = roots[graph.outermost(index)]
+        for key in found:
+            holders = result.setdefault(key, [])
+            if not any(holder is outer for holder in holders):
+                holders.append(outer)
+    return result
+
+
+def _holder_paths(obj: Any, ignore_ids: set[int]) -> list[str]:
+    """Readable paths from named owners down to ``obj``, e.g. ``MyLoss.cached_output`` or
+    ``Linear._forward_hooks[3] -> closure variable 'weight' of plant.<locals>.hook()``."""
+    paths: list[str] = []
+    _climb(obj, [], ignore_ids | {id(paths)}, paths, depth=0)
+    return paths
+
+
+def _climb(obj: Any, labels: list[str], ignore_ids: set[int], paths: list[str], depth: int) -> None:
+    """Depth-first search up the referrer graph until a named owner is reached.
+
+    Frames are passed over: the checker's own hold what it inspects, and what a running function's
+    locals hold is reported as such below.
+    """
+    if depth >= _HOLDER_DEPTH_LIMIT:
+        paths.append(_render_path(labels + ["..."]))
+        return
+    found_before = len(paths)
+    referrers = [
+        ref for ref in gc.get_referrers(obj) if id(ref) not in ignore_ids and not isinstance(ref, types.FrameType)
+    ]
+    ignore_ids = ignore_ids | {id(referrers)}
+    for referrer in referrers:
+        label, next_obj = _step(referrer, obj)
+        if label is None:
+            continue
+        if next_obj is None:
+            paths.append(_render_path(labels + [label]))
+        else:
+            _climb(next_obj, labels + [label], ignore_ids | {id(referrer)}, paths, depth + 1)
+        if len(paths) >= _HOLDER_PATHS_LIMIT:
+            return
+    if len(paths) == found_before and labels:
+        # Held by something gc does not track, typically a local variable of a running function.
+        paths.append(_render_path(labels + ["<a local variable or C++ state>"]))
+
+
+def _step(referrer: Any, child: Any) -> tuple[str | None, Any]:
+    """Label for the edge ``referrer -> child``, and the object to keep climbing from (None when
+    ``referrer`` names the holder well enough)."""
+    if isinstance(referrer, types.CellType):
+        return _closure_step(referrer)
+    if isinstance(referrer, (dict, list, tuple)):
+        return _container_step(referrer, child)
+    if isinstance(referrer, (types.FunctionType, types.MethodType)):
+        return None, None
+    attribute = next((name for name, value in _attributes(referrer) if value is child), None)
+    owner = type(referrer).__name__
+    return (f"{owner}.{attribute}" if attribute else f"{owner} object"), None
+
+
+def _closure_step(cell: types.CellType) -> tuple[str | None, Any]:
+    for closure in gc.get_referrers(cell):
+        if not isinstance(closure, tuple):
+            continue
+        for function in gc.get_referrers(closure):
+            if isinstance(function, types.FunctionType) and function.__closure__ is closure:
+                variable = function.__code__.co_freevars[closure.index(cell)]
+                return f"closure variable {variable!r} of {function.__qualname__}()", function
+    return "closure variable", cell
+
+
+def _container_step(container: dict | list | tuple, child: Any) -> tuple[str, Any]:
+    """``Owner.key`` when ``container`` is an object's ``__dict__``, else ``[key]`` and climb on."""
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    key = next((key for key, value in items if value is child), "?")
+    if isinstance(container, dict):
+        for owner in gc.get_referrers(container):
+            if _instance_dict(owner) is container:
+                return f"{type(owner).__name__}.{key}", None
+    return (f"[{key!r}]" if isinstance(container, dict) else f"[{key}]"), container
+
+
+def _instance_dict(obj: Any) -> dict | None:
+    """``obj.__dict__`` of an instance or module; None for classes and objects without one."""
+    if isinstance(obj, type):
+        return None
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return None
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    attributes = _instance_dict(obj)
+    return list(attributes.items()) if isinstance(attributes, dict) else []
+
+
+def _render_path(labels_inner_first: list[str]) -> str:
+    """Join edge labels from the outermost owner down to the object.
+
+    ``Loss._parameters['weight']`` reads as ``Loss.weight``, as it is written in code.
+    """
+    text = ""
+    for label in reversed(labels_inner_first):
+        if not text:
+            text = label
+        elif label.startswith("["):
+            text += label
+        else:
+            text += " -> " + label
+    return re.sub(r"\._(?:parameters|buffers|modules)\[(['\"])(.+?)\1\]", r".\2", text)

