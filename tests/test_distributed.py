@@ -218,7 +218,7 @@ def test_unused_parameter_detection_off_leaves_gradients_unaveraged(loss_run):
 def test_trainer_runs_under_torchrun_with_checkpointing(trainer, trainer_reports):
     """Both ranks finish max_steps under DDP with gradient checkpointing on, with identical weights.
 
-    Upstream fails each of these somewhere in the supported range (see st_ext.ddp_fixes)."""
+    Upstream fails each of these somewhere in the supported range (see st_ext.training.ddp)."""
     errors = [rank[trainer]["error"] for rank in trainer_reports]
     assert errors == [None] * worker.WORLD_SIZE, errors
     reports = [rank[trainer]["report"] for rank in trainer_reports]
