@@ -159,12 +159,9 @@ def _select_flattened(features: Features, rows: list[int]) -> Features:
     """The given rows of flattened features, concatenated in order, with their metadata rebuilt."""
     bounds = row_boundaries(features)
     total = bounds[-1]
-    spans = [(bounds[row], bounds[row + 1]) for row in rows]
-    lengths = [end - begin for begin, end in spans]
-    reference = features["cu_seq_lens_q"]
-    token_index = torch.cat([torch.arange(begin, end) for begin, end in spans]) if spans else torch.zeros(0)
-    token_index = token_index.to(torch.long)
-    new_bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=reference.dtype)
+    lengths = [bounds[row + 1] - bounds[row] for row in rows]
+    tokens = _token_selector(bounds, rows)
+    new_bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=features["cu_seq_lens_q"].dtype)
     selected: Features = {}
     for key, value in features.items():
         if key in BOUNDARY_KEYS:
@@ -172,14 +169,31 @@ def _select_flattened(features: Features, rows: list[int]) -> Features:
         elif key in MAX_LENGTH_KEYS:
             selected[key] = max(lengths, default=0)
         elif key == "seq_idx":
-            selected[key] = torch.repeat_interleave(
-                torch.arange(len(rows), dtype=value.dtype), torch.tensor(lengths, dtype=torch.long)
-            ).reshape(*value.shape[:-1], -1).to(value.device)
+            selected[key] = _renumbered_rows(value, tokens, rows, lengths)
         elif isinstance(value, Tensor) and value.ndim >= 1 and value.shape[-1] == total:
-            selected[key] = value[..., token_index.to(value.device)]
+            index = tokens if isinstance(tokens, slice) else tokens.to(value.device)
+            selected[key] = value[..., index].clone()
         else:
             selected[key] = value.clone() if isinstance(value, Tensor) else value
     return selected
+
+
+def _token_selector(bounds: list[int], rows: list[int]) -> slice | Tensor:
+    """The token positions of ``rows``: a slice when they are consecutive (every mini-batch, so no
+    per-token index is built on the host), else an index tensor."""
+    if not rows:
+        return slice(0, 0)
+    if rows == list(range(rows[0], rows[-1] + 1)):
+        return slice(bounds[rows[0]], bounds[rows[-1] + 1])
+    return torch.cat([torch.arange(bounds[row], bounds[row + 1]) for row in rows])
+
+
+def _renumbered_rows(seq_idx: Tensor, tokens: slice | Tensor, rows: list[int], lengths: list[int]) -> Tensor:
+    """Each selected token's row number within the selection."""
+    if isinstance(tokens, slice):
+        return seq_idx[..., tokens] - (rows[0] if rows else 0)
+    numbers = torch.repeat_interleave(torch.arange(len(rows), dtype=seq_idx.dtype), torch.tensor(lengths))
+    return numbers.reshape(*seq_idx.shape[:-1], -1).to(seq_idx.device)
 
 
 def to_padded(features: Features, pad_token_id: int = 0) -> Features:
