@@ -66,7 +66,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl")
     args[args.index("--mini-batch-size") + 1] = "auto"
     assert main(args + ["--memory-budget-mb", "4096", "--matryoshka-dims", "32"]) == 0
-    assert "mini_batch_size auto -> 4" in capsys.readouterr().out
+    assert "mini_batch_size auto -> 8 (one pass over the whole batch" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -76,11 +76,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--loss", "no_such_loss"], "unknown name 'no_such_loss'"),
         (["--anchor-column", "query"], "column(s) query not in pairs.jsonl"),
         (["--matryoshka-dims", "64"], "exceed the model's embedding size 32"),
-        pytest.param(
-            ["--mini-batch-size", "auto"],
-            "needs a memory budget",
-            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the budget is 90% of free memory"),
-        ),
+        (["--mini-batch-size", "auto", "--memory-budget-mb", "-5"], "memory_budget_mb: -5.0 must be positive"),
         (["--data", "/no/such/file.jsonl"], "does not exist"),
         (["--guide-mode", "sideways"], "guide_mode: 'sideways' is not one of resident, offload, precompute"),
     ],

@@ -12,7 +12,6 @@ from datasets import Dataset
 
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses
-from st_ext.autobatch import choose_mini_batch_size
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
 from st_ext.losses.features import (
     batch_size_of,
@@ -184,10 +183,30 @@ def test_cross_batch_memory_equals_the_padded_path(model, flat_model):
     assert_same_grads(run(flat_model), run(model))
 
 
-def test_auto_mini_batch_size_measures_flattened_rows(flat_model):
-    choice = choose_mini_batch_size(flat_model, SENTENCES, batch_size=8, budget_bytes=2**40)
-    assert choice.size == 8 and set(choice.tried) == {1, 2, 4, 8}
-    assert all(peak > 0 for peak in choice.tried.values())
+def test_auto_mini_batch_size_measures_flattened_rows(model, flat_model):
+    """Auto sizing measures flattened rows (merged across columns, longest first) and the sized loss
+    equals the padded path."""
+    columns = text_columns(BATCH, 2)
+
+    def auto(m):
+        return losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size="auto", memory_budget_mb=0.5)
+
+    flat_loss = auto(flat_model)
+    assert_same_as_padded(model, auto(model), flat_model, flat_loss, columns)
+    choice = flat_loss.auto_mini_batch.choice
+    assert 1 <= choice.size < 2 * BATCH and all(peak > 0 for peak in choice.tried.values()), choice
+
+
+def test_merged_mini_batches_equal_the_padded_path(model, flat_model):
+    """Mini-batches of 5 rows cut across the two columns: boundaries and row numbers are rebuilt across them."""
+    columns = text_columns(BATCH, 2)
+    assert_same_as_padded(
+        model,
+        losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=5),
+        flat_model,
+        losses.CachedMultipleNegativesRankingLoss(flat_model, mini_batch_size=5),
+        columns,
+    )
 
 
 def test_distillation_teacher_live_and_precomputed_on_flattened_rows(model, flat_model, guide_dir):

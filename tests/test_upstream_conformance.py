@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import sentence_transformers
+from sentence_transformers import util
 import torch
 from datasets import Dataset
 
@@ -49,6 +50,8 @@ EXPECTED_REPLACED = [
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
     "CachedGISTEmbedLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
     "MatryoshkaLoss",
 ]
@@ -151,19 +154,30 @@ def context(model, guide):
             "margin_strategy": lambda: "relative",
             "margin": lambda: 0.25,
             "distance_metric": lambda: metrics.cosine_distance,
+            "scale": lambda: 7.5,
+            "similarity_fct": lambda: util.dot_score,
+            "directions": lambda: ("query_to_doc", "doc_to_query"),
+            "partition_mode": lambda: "per_direction",
+            "hardness_mode": lambda: "hard_negatives",
+            "hardness_strength": lambda: 0.5,
         }
     )
 
 
 def attributes_holding_arguments(instance: object, arguments: dict[str, object]) -> dict[str, object]:
     """The attributes in which upstream stored a constructor argument: by the argument's name, or
-    (for values that identify their argument) under another name, e.g. ``triplet_margin``."""
+    (for values that identify their argument) under another name, e.g. ``triplet_margin``. An inner
+    loss upstream builds for itself (6.x's cached ranking losses keep their options in ``loss``)
+    is searched too, as ``loss.<attribute>``."""
     found = {}
     candidates = {**vars(instance), **getattr(instance, "_modules", {})}
+    inner = getattr(instance, "_modules", {}).get("loss")
+    if inner is not None and "loss" not in arguments:
+        candidates.update({f"loss.{name}": value for name, value in vars(inner).items() if not name.startswith("_")})
     for attribute, value in candidates.items():
         if attribute.startswith("_"):
             continue
-        if attribute in arguments:
+        if attribute.split(".")[-1] in arguments:
             found[attribute] = value
             continue
         if isinstance(value, bool) or value is None:
@@ -171,6 +185,12 @@ def attributes_holding_arguments(instance: object, arguments: dict[str, object])
         if any(value is argument or (type(value) is type(argument) and value == argument) for argument in arguments.values()):
             found[attribute] = value
     return found
+
+
+def attribute_of(instance: object, path: str) -> object:
+    for name in path.split("."):
+        instance = getattr(instance, name)
+    return instance
 
 
 @pytest.mark.parametrize("name", EXPECTED_REPLACED)
@@ -186,7 +206,7 @@ def test_positional_call_puts_arguments_where_upstream_does(context, name, flip)
     stored = attributes_holding_arguments(theirs, dict(zip(names, values)))
     assert len(stored) >= len(names) - 2, stored  # Matryoshka sorts dims and weights into tuples
     for attribute, value in stored.items():
-        assert getattr(ours, attribute) is value or getattr(ours, attribute) == value, attribute
+        assert attribute_of(ours, attribute) is value or attribute_of(ours, attribute) == value, attribute
     if hasattr(theirs, "get_config_dict"):
         assert ours.get_config_dict() == theirs.get_config_dict()
 

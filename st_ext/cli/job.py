@@ -22,10 +22,10 @@ from datasets import Dataset, load_dataset
 
 from st_ext import SentenceTransformer, SentenceTransformerTrainingArguments
 from st_ext._compat import checkpointing_training_args, embedding_dimension
-from st_ext.autobatch import choose_mini_batch_size, memory_budget
 from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
+from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss, known_losses
 from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
 from st_ext.training.trainer import SentenceTransformerTrainer
@@ -54,7 +54,7 @@ class TrainConfig:
     loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size (in-batch negatives)"})
     mini_batch_size: Union[int, str] = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
-    memory_budget_mb: float | None = field(default=None, metadata={"help": "budget for mini_batch_size auto; unset on CUDA: 90%% of free memory"})
+    memory_budget_mb: float | None = field(default=None, metadata={"help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"})
     matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "checkpoint the model's activations"})
     guide: str | None = field(default=None, metadata={"help": "guide model directory for GIST losses; unset: the model's starting weights"})
@@ -96,8 +96,6 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"batch_size: {config.batch_size} leaves no in-batch negatives; use 2 or more.")
     if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):
         raise ConfigError(f"mini_batch_size: {config.mini_batch_size!r} must be a positive integer or 'auto'.")
-    if config.mini_batch_size == "auto" and config.memory_budget_mb is None and not torch.cuda.is_available():
-        raise ConfigError("mini_batch_size: 'auto' on CPU needs a memory budget; pass --memory-budget-mb (e.g. 2048).")
     if config.memory_budget_mb is not None and config.memory_budget_mb <= 0:
         raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
     if not config.matryoshka_dims or any(d <= 0 for d in config.matryoshka_dims):
@@ -188,6 +186,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
         for report in trainer.frozen_encoder_reports:
             print(report)
         trainer.train()
+    auto = auto_mini_batch_of(loss)
+    if auto is not None and auto.choice is not None:
+        print(auto.choice)
 
     model.eval()
     after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
@@ -221,24 +222,15 @@ def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims
 
     base_name = config.loss.removeprefix(MATRYOSHKA_PREFIX)
     matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
-    mini_batch_size = _mini_batch_size(config, model, train_dataset)
+    sizing = {"mini_batch_size": config.mini_batch_size}
+    if config.mini_batch_size == "auto":
+        sizing["memory_budget_mb"] = config.memory_budget_mb
     if not BASE_LOSSES[base_name].guided:
-        return build_loss(config.loss, model, mini_batch_size=mini_batch_size, **matryoshka), "resident"
+        return build_loss(config.loss, model, **sizing, **matryoshka), "resident"
     guide = SentenceTransformer(config.guide or model_path, device="cpu")
     guide.max_seq_length = config.max_seq_length
     guide.eval().requires_grad_(False)
-    return build_loss(config.loss, model, guide=guide, mini_batch_size=mini_batch_size, **matryoshka), config.guide_mode
-
-
-def _mini_batch_size(config: TrainConfig, model, train_dataset) -> int:
-    if config.mini_batch_size != "auto":
-        return int(config.mini_batch_size)
-
-    budget = memory_budget(config.memory_budget_mb, model.device)
-    texts = list(train_dataset["anchor"]) + list(train_dataset["positive"])
-    choice = choose_mini_batch_size(model, texts, config.batch_size, budget)
-    print(choice)
-    return choice.size
+    return build_loss(config.loss, model, guide=guide, **sizing, **matryoshka), config.guide_mode
 
 
 def _save_model(model, path: Path) -> Path:

@@ -3,6 +3,9 @@
 ``from st_ext import losses`` works as ``from sentence_transformers import losses``: every upstream
 loss name is here. These differ from upstream:
 
+* :class:`CachedMultipleNegativesRankingLoss`, :class:`CachedMultipleNegativesSymmetricRankingLoss`:
+  upstream's losses on st_ext's GradCache engine (fewer, merged forward passes; one pass when the
+  batch fits), with ``mini_batch_size="auto"``.
 * :class:`MatryoshkaLoss`: over cached losses, backward one mini-batch at a time, memory independent
   of the number of dimensions, and the wrapped loss is never modified; any other loss runs through
   upstream's implementation.
@@ -29,6 +32,10 @@ _upstream_losses = _st_losses()
 _UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startswith("_")]
 globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NAMES})
 
+from st_ext.losses.cached_ranking import (  # noqa: E402
+    CachedMultipleNegativesRankingLoss,
+    CachedMultipleNegativesSymmetricRankingLoss,
+)
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatchMemoryLoss  # noqa: E402
 from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
@@ -40,6 +47,8 @@ ST_EXT_LOSSES = [
     "BatchAllTripletLoss",
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
+    "CachedMultipleNegativesRankingLoss",
+    "CachedMultipleNegativesSymmetricRankingLoss",
     "CrossBatchMemoryCallback",
     "CrossBatchMemoryLoss",
     "CachedGISTEmbedLoss",

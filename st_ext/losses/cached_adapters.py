@@ -18,6 +18,7 @@ upstream losses they wrap: nothing is set on them.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from torch import Tensor, nn
@@ -61,15 +62,22 @@ class UpstreamCachedLoss:
     and on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
 
     Calls the class's ``calculate_loss``, not the instance's, so an instance that upstream's
-    ``MatryoshkaLoss`` already decorated is not truncated a second time.
+    ``MatryoshkaLoss`` already decorated is not truncated a second time; with ``as_decorated``,
+    the instance's (the loss runs itself, and upstream's wrapper may have decorated it).
     """
 
-    def __init__(self, loss: nn.Module) -> None:
+    def __init__(self, loss: nn.Module, *, as_decorated: bool = False) -> None:
         self.loss = loss
+        self.as_decorated = as_decorated
 
     @property
     def model(self) -> nn.Module:
         return self.loss.model
+
+    @property
+    def settings_holder(self) -> nn.Module:
+        """The loss whose ``mini_batch_size`` (and ``auto_mini_batch``) this view reads."""
+        return self.loss
 
     @property
     def mini_batch_size(self) -> int:
@@ -89,12 +97,14 @@ class UpstreamCachedLoss:
     def loss_from_embeddings(
         self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
     ) -> Tensor:
-        calculate_loss = type(self.loss).calculate_loss
+        calculate_loss = partial(type(self.loss).calculate_loss, self.loss)
+        if self.as_decorated:
+            calculate_loss = self.loss.calculate_loss
         mixin = upstream_cached_loss_mixin()
         if mixin is not None and isinstance(self.loss, mixin):
             # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
-            return calculate_loss(self.loss, reps, labels, with_backward=with_backward)
-        return calculate_loss(self.loss, reps, with_backward=with_backward)
+            return calculate_loss(reps, labels, with_backward=with_backward)
+        return calculate_loss(reps, with_backward=with_backward)
 
 
 class UpstreamCachedGIST(UpstreamCachedLoss):

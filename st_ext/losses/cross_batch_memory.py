@@ -54,6 +54,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from st_ext._compat import is_gradient_caching, st_losses
 from st_ext.losses.cached_adapters import cached_loss_view
+from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
 from st_ext.losses.gradcache import (
     Features,
     Reps,
@@ -344,7 +345,12 @@ def triplet_step(
 def memory_kind(loss: nn.Module) -> str:
     """"ranking" or "triplet", or an error naming the losses a memory supports."""
     upstream = st_losses()
-    if type(loss) in (upstream.MultipleNegativesRankingLoss, upstream.CachedMultipleNegativesRankingLoss):
+    ranking = (
+        upstream.MultipleNegativesRankingLoss,
+        upstream.CachedMultipleNegativesRankingLoss,
+        CachedMultipleNegativesRankingLoss,
+    )
+    if type(loss) in ranking:
         check_ranking_options(loss)
         return "ranking"
     if triplet_settings(loss) is not None:

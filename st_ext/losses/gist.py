@@ -53,9 +53,10 @@ from st_ext.losses.gradcache import (
     embeds_with_static_embedding,
     gradcache_forward,
     row_token_keys,
-    slice_minibatch,
     validate_mini_batching,
 )
+from st_ext.losses.auto_mini_batch import auto_state
+from st_ext.losses.minibatches import layout_of, slice_rows
 
 _upstream = st_losses()
 
@@ -75,13 +76,14 @@ def guide_pass(
 ) -> Reps:
     """The guide's embeddings of every column, mini-batch by mini-batch, in one visit to the device."""
     device = features_device(sentence_features[0])
+    layouts = [layout_of(features) for features in sentence_features]
     with frozen_placement(guide, device, offloaded):
         return [
             [
-                embed_frozen(guide, slice_minibatch(features, begin, end), retokenize_with, device)
+                embed_frozen(guide, slice_rows(features, begin, end, layout), retokenize_with, device)
                 for begin, end in tqdm(column_ranges, desc="Guide mini-batches", disable=not show_progress_bar)
             ]
-            for features, column_ranges in zip(sentence_features, ranges)
+            for features, layout, column_ranges in zip(sentence_features, layouts, ranges)
         ]
 
 
@@ -404,7 +406,8 @@ class CachedGISTEmbedLoss(GuidedLoss):
         guide: the frozen SentenceTransformer that rates the negatives. May be None with
             ``guide_embeddings``.
         temperature: the softmax temperature of the cross-entropy (upstream's default 0.01).
-        mini_batch_size: rows embedded per forward pass; sets memory, not the result.
+        mini_batch_size: rows embedded per forward pass; sets memory, not the result. ``"auto"``:
+            the largest that fits ``memory_budget_mb`` (see :mod:`st_ext.losses.auto_mini_batch`).
         mini_batch_num_tokens: alternatively, a budget of non-padding tokens per mini-batch.
         show_progress_bar: show the mini-batch progress.
         margin_strategy: ``"absolute"`` (mask above ``positive - margin``) or ``"relative"``
@@ -419,6 +422,9 @@ class CachedGISTEmbedLoss(GuidedLoss):
             from the table (e.g. evaluation) use the live guide.
         offload_guide: keyword-only; keep the guide on the CPU and move it onto the training
             device only for its no-grad pass in each step.
+        memory_budget_mb: keyword-only, with ``mini_batch_size="auto"``: the step's peak memory
+            above its starting level, in MiB. None: a share of the free memory on CUDA; on the CPU,
+            the whole batch as one mini-batch.
 
     References:
         - GISTEmbed: https://huggingface.co/papers/2402.16829
@@ -463,7 +469,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         model: nn.Module,
         guide: nn.Module | None = None,
         temperature: float = 0.01,
-        mini_batch_size: int = 32,
+        mini_batch_size: int | str = 32,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
         margin_strategy: Literal["absolute", "relative"] = "absolute",
@@ -474,10 +480,13 @@ class CachedGISTEmbedLoss(GuidedLoss):
         *,
         guide_embeddings: GuideEmbeddings | None = None,
         offload_guide: bool = False,
+        memory_budget_mb: float | None = None,
     ) -> None:
         super().__init__()
         _refuse_static_embedding(model)
         validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
+        self.auto_mini_batch = auto_state(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
+        self.memory_budget_mb = memory_budget_mb
         self._set_up(
             model,
             guide,

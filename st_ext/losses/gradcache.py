@@ -9,9 +9,15 @@ A cached loss trades one extra forward pass for memory bounded by the mini-batch
         replayed RNG state so dropout draws the same masks, and back-propagate its cached gradient
         through it; one mini-batch graph is alive at a time.
 
+The mini-batches are planned once per batch on the host (:mod:`st_ext.losses.minibatches`): columns
+share forward passes where they can, each mini-batch is padded to its own longest row, and no
+step waits on the device to find out where a mini-batch ends. When one mini-batch holds the whole
+batch, (1)-(3) buy nothing and the plain forward and backward run instead. ``mini_batch_size="auto"``
+is resolved per batch by :mod:`st_ext.losses.auto_mini_batch`.
+
 Frozen encoders (a GIST guide) need no gradient, so their embeddings are computed once in (1) and
 never again. A loss plugs into :func:`gradcache_forward` by providing the :class:`CachedLoss`
-protocol; everything that belongs to one forward pass (features, ranges, RNG states, gradients) is
+protocol; everything that belongs to one forward pass (features, plan, RNG states, gradients) is
 passed to the backward hook as arguments, so a second forward pass cannot corrupt the first.
 """
 
@@ -30,7 +36,8 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext._compat import st_modules
-from st_ext.losses.features import (  # noqa: F401  (batch_size_of, row_token_keys: public here too)
+from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
+from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     Features,
     Ranges,
     batch_size_of,
@@ -38,6 +45,7 @@ from st_ext.losses.features import (  # noqa: F401  (batch_size_of, row_token_ke
     row_token_keys,
     slice_minibatch,
 )
+from st_ext.losses.minibatches import MiniBatchPlan, layout_of, minibatch_features, plan_minibatches, split_rows
 
 #: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
 Reps = list[list[Tensor]]
@@ -46,10 +54,15 @@ LossFn = Callable[..., Tensor]
 
 
 class CachedLoss(Protocol):
-    """What a loss provides to run on :func:`gradcache_forward`."""
+    """What a loss provides to run on :func:`gradcache_forward`.
+
+    ``mini_batch_size`` may be ``"auto"``: the object that holds the setting (``settings_holder``
+    when a view reads it from another object, else the loss itself) then keeps an
+    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch` as ``auto_mini_batch``.
+    """
 
     model: nn.Module
-    mini_batch_size: int
+    mini_batch_size: int | str
     mini_batch_num_tokens: int | None
     show_progress_bar: bool
 
@@ -120,33 +133,39 @@ def embeds_with_static_embedding(model: nn.Module) -> bool:
     return any(isinstance(module, static_embedding) for module in inputs)
 
 
-def validate_mini_batching(mini_batch_size: int, mini_batch_num_tokens: int | None) -> None:
+def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
     """Fail at construction rather than at the first batch."""
-    if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0:
-        raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}.")
+    if mini_batch_size != AUTO and (
+        isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
+    ):
+        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
     if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
         raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
 
 
-def embed_without_grad(
+def embed_minibatches(
     model: nn.Module,
     sentence_features: Sequence[Features],
-    ranges: Sequence[Ranges],
+    plan: MiniBatchPlan,
     *,
     keep_rng: bool,
     show_progress_bar: bool = False,
-) -> tuple[Reps, list[list[RngState | None]]]:
-    """Step (1): every mini-batch's embeddings, and the RNG state each forward started from."""
-    reps, rng_states = [], []
-    for features, column_ranges in zip(sentence_features, ranges):
-        column_reps, column_states = [], []
-        for begin, end in tqdm(column_ranges, desc="Embed mini-batches", disable=not show_progress_bar):
-            minibatch = slice_minibatch(features, begin, end)
-            column_states.append(RngState(minibatch.values()) if keep_rng else None)
-            with torch.no_grad():
-                column_reps.append(_compact(model(minibatch)["sentence_embedding"]))
-        reps.append(column_reps)
-        rng_states.append(column_states)
+) -> tuple[Reps, list[RngState | None]]:
+    """Every mini-batch's embeddings, split back into columns, and the RNG state each forward started from.
+
+    Runs with whatever gradient mode the caller set: without a graph for step (1), with one for a
+    single-pass batch.
+    """
+    reps: Reps = [[] for _ in plan.layouts]
+    rng_states: list[RngState | None] = []
+    for minibatch in tqdm(plan.minibatches, desc="Embed mini-batches", disable=not show_progress_bar):
+        features = minibatch_features(sentence_features, plan, minibatch)
+        rng_states.append(RngState(features.values()) if keep_rng else None)
+        output = model(features)["sentence_embedding"]
+        if not output.requires_grad:
+            output = _compact(output)
+        for segment, rows in zip(minibatch, split_rows(output, minibatch)):
+            reps[segment.column].append(rows)
     return reps, rng_states
 
 
@@ -160,38 +179,36 @@ def _compact(rep: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class ReplayPlan:
-    """Everything step (3) needs from one forward pass, captured when that pass ends."""
+    """Everything step (3) needs from one forward pass, captured when that pass ends: the mini-batches,
+    the RNG state each started from, and the cached gradient of each one's output rows."""
 
     model: nn.Module
     sentence_features: list[Features]
-    ranges: list[Ranges]
-    rng_states: list[list[RngState]]
-    grads: Reps
+    plan: MiniBatchPlan
+    rng_states: list[RngState]
+    grads: list[list[Tensor]]
     show_progress_bar: bool = False
 
 
-def replay_backward(grad_output: Tensor, plan: ReplayPlan) -> None:
+def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
     """Step (3), a hook on the loss: re-embed each mini-batch with a graph, back-propagate its cached gradient.
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
     gradient-accumulation divisor), so every mini-batch receives it. Under DDP only the last
     mini-batch synchronises gradients.
     """
-    jobs = [
-        (features, begin, end, state, grad)
-        for features, column_ranges, states, grads in zip(
-            plan.sentence_features, plan.ranges, plan.rng_states, plan.grads
-        )
-        for (begin, end), state, grad in zip(column_ranges, states, grads)
-    ]
+    last = len(replay.plan.minibatches) - 1
+    jobs = zip(replay.plan.minibatches, replay.rng_states, replay.grads)
     with torch.enable_grad():
-        for index, (features, begin, end, state, grad) in enumerate(
-            tqdm(jobs, desc="Backward mini-batches", disable=not plan.show_progress_bar)
+        for index, (minibatch, state, grads) in enumerate(
+            tqdm(list(jobs), desc="Backward mini-batches", disable=not replay.show_progress_bar)
         ):
-            with _sync_unless_last(plan.model, last=index == len(jobs) - 1):
+            with _sync_unless_last(replay.model, last=index == last):
+                features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
                 with state.replay():
-                    reps = plan.model(slice_minibatch(features, begin, end))["sentence_embedding"]
+                    reps = replay.model(features)["sentence_embedding"]
                 if reps.requires_grad:
+                    grad = grads[0] if len(grads) == 1 else torch.cat(grads)
                     _surrogate(reps, grad, grad_output).backward()
 
 
@@ -213,37 +230,44 @@ def gradcache_forward(
     labels: Tensor | None,
     loss_fn: LossFn | None = None,
 ) -> Tensor:
-    """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3).
+    """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3); or, when one
+    mini-batch holds the whole batch, the plain loss with its graph.
 
     ``loss_fn`` replaces ``loss.loss_from_embeddings`` when a wrapper (Matryoshka) computes the
     loss over transformed embeddings; it follows the same contract.
     """
     loss_fn = loss_fn or loss.loss_from_embeddings
     sentence_features = list(sentence_features)
-    mini_batch_num_tokens = getattr(loss, "mini_batch_num_tokens", None)
-    ranges = [minibatch_ranges(f, loss.mini_batch_size, mini_batch_num_tokens) for f in sentence_features]
+    layouts = [layout_of(features) for features in sentence_features]
     show_progress_bar = getattr(loss, "show_progress_bar", False)
-    # Frozen encoders first: they read the features before any module edits them in place.
-    frozen = loss.frozen_embeddings(sentence_features, ranges)
-    grad_enabled = torch.is_grad_enabled()
-    reps, rng_states = embed_without_grad(
-        loss.model, sentence_features, ranges, keep_rng=grad_enabled, show_progress_bar=show_progress_bar
-    )
-    if not grad_enabled:
-        return loss_fn(reps, frozen, labels, with_backward=False)
+    with resolved_mini_batch_size(loss, sentence_features, layouts) as (mini_batch_size, mini_batch_num_tokens):
+        plan = plan_minibatches(sentence_features, layouts, mini_batch_size, mini_batch_num_tokens)
+        # Frozen encoders first: they read the features before any module edits them in place.
+        frozen = loss.frozen_embeddings(sentence_features, plan.column_ranges())
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and plan.single_pass:
+            reps, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False)
+            return loss_fn(reps, frozen, labels, with_backward=False)
+        with torch.no_grad():
+            reps, rng_states = embed_minibatches(
+                loss.model, sentence_features, plan, keep_rng=grad_enabled, show_progress_bar=show_progress_bar
+            )
+        if not grad_enabled:
+            return loss_fn(reps, frozen, labels, with_backward=False)
 
-    reps = [[rep.detach().requires_grad_() for rep in column] for column in reps]
-    value = loss_fn(reps, frozen, labels, with_backward=True)
-    grads = [[rep.grad for rep in column] for column in reps]
-    unused = [str(index) for index, column in enumerate(grads) if any(grad is None for grad in column)]
+        reps = [[rep.detach().requires_grad_() for rep in column] for column in reps]
+        value = loss_fn(reps, frozen, labels, with_backward=True)
+    unused = [str(index) for index, column in enumerate(reps) if any(rep.grad is None for rep in column)]
     if unused:
         raise ValueError(
             f"{type(loss).__name__} did not use input column(s) {', '.join(unused)}: their embeddings got no "
             "gradient. Remove the unused column(s) from the dataset."
         )
-    plan = ReplayPlan(loss.model, sentence_features, ranges, rng_states, grads, show_progress_bar)
+    pieces = [iter(column) for column in reps]
+    grads = [[next(pieces[segment.column]).grad for segment in minibatch] for minibatch in plan.minibatches]
+    replay = ReplayPlan(loss.model, sentence_features, plan, rng_states, grads, show_progress_bar)
     result = value.detach().requires_grad_()
-    result.register_hook(partial(replay_backward, plan=plan))
+    result.register_hook(partial(replay_backward, replay=replay))
     return result
 
 

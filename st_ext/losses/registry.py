@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from st_ext._compat import embedding_dimension, st_losses
+from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
 from st_ext.losses.cross_batch_memory import with_memory
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss
 from st_ext.losses.matryoshka import MatryoshkaLoss
@@ -38,9 +39,9 @@ def _upstream(class_name: str) -> Callable[..., nn.Module]:
 
 BASE_LOSSES: dict[str, LossSpec] = {
     "mnrl": LossSpec(_upstream("MultipleNegativesRankingLoss")),
-    "cached_mnrl": LossSpec(_upstream("CachedMultipleNegativesRankingLoss"), cached=True),
+    "cached_mnrl": LossSpec(CachedMultipleNegativesRankingLoss, cached=True),
     "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss")),
-    "cached_mnsrl": LossSpec(_upstream("CachedMultipleNegativesSymmetricRankingLoss"), cached=True),
+    "cached_mnsrl": LossSpec(CachedMultipleNegativesSymmetricRankingLoss, cached=True),
     "gist": LossSpec(GISTEmbedLoss, guided=True),
     "cached_gist": LossSpec(CachedGISTEmbedLoss, cached=True, guided=True),
     "cosent": LossSpec(_upstream("CoSENTLoss")),
@@ -51,7 +52,7 @@ BASE_LOSSES: dict[str, LossSpec] = {
     "batch_hard_triplet": LossSpec(BatchHardTripletLoss),
     "batch_semi_hard_triplet": LossSpec(BatchSemiHardTripletLoss),
     "xbm_mnrl": LossSpec(with_memory(_upstream("MultipleNegativesRankingLoss")), matryoshka=False),
-    "xbm_cached_mnrl": LossSpec(with_memory(_upstream("CachedMultipleNegativesRankingLoss")), cached=True, matryoshka=False),
+    "xbm_cached_mnrl": LossSpec(with_memory(CachedMultipleNegativesRankingLoss), cached=True, matryoshka=False),
     "xbm_batch_all_triplet": LossSpec(with_memory(BatchAllTripletLoss), matryoshka=False),
     "xbm_batch_hard_triplet": LossSpec(with_memory(BatchHardTripletLoss), matryoshka=False),
     "xbm_batch_semi_hard_triplet": LossSpec(with_memory(BatchSemiHardTripletLoss), matryoshka=False),
@@ -77,7 +78,8 @@ def build_loss(
     model: nn.Module,
     *,
     guide: nn.Module | None = None,
-    mini_batch_size: int = 32,
+    mini_batch_size: int | str = 32,
+    memory_budget_mb: float | None = None,
     matryoshka_dims: Sequence[int] | None = None,
     matryoshka_weights: Sequence[float] | None = None,
     n_dims_per_step: int = -1,
@@ -85,7 +87,8 @@ def build_loss(
 ) -> nn.Module:
     """The loss called ``name`` (see :func:`known_losses`) for ``model``.
 
-    ``mini_batch_size`` applies to cached losses only; ``guide`` to GIST losses (which also
+    ``mini_batch_size`` (a number or ``"auto"``) and ``memory_budget_mb`` (for ``"auto"``) apply to
+    cached losses only; ``guide`` to GIST losses (which also
     take ``guide_embeddings=`` and ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose
     dimensions default to the model's and its halvings down to 32. Other keywords go to the base loss.
     """
@@ -106,6 +109,8 @@ def build_loss(
         raise ValueError(f"Loss {name!r} takes no guide model; the GIST losses do ('gist', 'cached_gist').")
     if spec.cached:
         kwargs["mini_batch_size"] = mini_batch_size
+        if memory_budget_mb is not None:
+            kwargs["memory_budget_mb"] = memory_budget_mb
     loss = spec.build(model, **kwargs)
     if not matryoshka:
         return loss

@@ -1,0 +1,272 @@
+"""``mini_batch_size="auto"``: the largest mini-batch whose training step fits a memory budget, measured.
+
+A cached loss's step peaks at one mini-batch's forward and backward with a graph, plus the
+embeddings of the whole batch and the loss's score blocks. The auto mode measures the first part
+on the batch in hand, on its *longest* rows (the mini-batch that costs most), for candidate sizes
+1, 2, 4, ... up to every row of the batch, and keeps the largest whose peak plus the second part
+fits the budget. When every row fits, the step runs as one plain forward and backward
+(:attr:`~st_ext.losses.minibatches.MiniBatchPlan.single_pass`), at the speed of the uncached loss.
+
+* The budget counts memory above the level at the start of the loss's forward pass. On CUDA the
+  default is a fraction of what is free (after the gradients and Adam states the first optimizer
+  step has yet to allocate); on the CPU it must be given, and without one the whole batch is one
+  mini-batch.
+* The measurement is repeated when a batch has more rows or a longer row than any measured before.
+* An out-of-memory error while measuring counts as over budget: it is caught and the cache emptied.
+* Measuring leaves no trace: gradients already accumulated in ``.grad`` are set aside and put back.
+* The choice and its measurements are logged once per measurement and kept in ``choice``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from st_ext.losses.features import Features
+from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
+from st_ext.memory import measure_peak
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+#: Share of the free CUDA memory the default budget takes; the rest absorbs allocator fragmentation.
+CUDA_BUDGET_FRACTION = 0.8
+#: Bytes per trainable parameter the first optimizer step has yet to allocate: its gradient and
+#: Adam's two moments, in fp32.
+PENDING_BYTES_PER_PARAMETER = 12
+
+
+@dataclass
+class MiniBatchChoice:
+    """What the auto mode chose, and what it measured (peaks in bytes, estimates included)."""
+
+    size: int
+    rows: int
+    longest_row: int
+    budget_bytes: int | None
+    meter: str = ""
+    tried: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def single_pass(self) -> bool:
+        return self.size >= self.rows
+
+    def __str__(self) -> str:
+        how = "one pass over the whole batch" if self.single_pass else f"{-(-self.rows // self.size)} mini-batches"
+        if self.budget_bytes is None:
+            return f"mini_batch_size auto -> {self.size} ({how}: no memory budget on this device)"
+        tried = ", ".join(f"{size}: {peak / 2**20:.0f} MiB" for size, peak in sorted(self.tried.items()))
+        return (
+            f"mini_batch_size auto -> {self.size} ({how}; {self.rows} rows, longest {self.longest_row} tokens; "
+            f"budget {self.budget_bytes / 2**20:.0f} MiB, {self.meter}; step peak by size: {tried})"
+        )
+
+
+class AutoMiniBatch:
+    """The auto mode's state for one loss: its budget and its latest measured choice."""
+
+    def __init__(self, memory_budget_mb: float | None = None) -> None:
+        if memory_budget_mb is not None and (
+            isinstance(memory_budget_mb, bool) or not isinstance(memory_budget_mb, (int, float)) or memory_budget_mb <= 0
+        ):
+            raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {memory_budget_mb!r}.")
+        self.memory_budget_mb = memory_budget_mb
+        self.choice: MiniBatchChoice | None = None
+
+    def __repr__(self) -> str:
+        return f"AutoMiniBatch(memory_budget_mb={self.memory_budget_mb!r}, choice={self.choice})"
+
+    def size_for(self, model: nn.Module, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> int:
+        """The mini-batch size for this batch: the last choice, or a new measurement when this batch
+        has more rows or a longer row than the last one measured."""
+        rows = sum(layout.rows for layout in layouts)
+        longest = max(_longest_row(features, layout) for features, layout in zip(sentence_features, layouts))
+        if self.choice is None or rows > self.choice.rows or longest > self.choice.longest_row:
+            self.choice = self._measure(model, sentence_features, layouts, rows, longest)
+            logger.info(str(self.choice))
+        return self.choice.size
+
+    def budget_bytes(self, model: nn.Module, device: torch.device) -> int | None:
+        if self.memory_budget_mb is not None:
+            return int(self.memory_budget_mb * 2**20)
+        if device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        pending = sum(p.numel() for p in model.parameters() if p.requires_grad and p.grad is None)
+        return int(CUDA_BUDGET_FRACTION * max(free - pending * PENDING_BYTES_PER_PARAMETER, 0))
+
+    def _measure(
+        self,
+        model: nn.Module,
+        sentence_features: Sequence[Features],
+        layouts: Sequence[ColumnLayout],
+        rows: int,
+        longest: int,
+    ) -> MiniBatchChoice:
+        device = _device_of(sentence_features)
+        budget = self.budget_bytes(model, device)
+        choice = MiniBatchChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
+        if budget is None:
+            return choice
+        order = _longest_first(sentence_features, layouts)
+        plan = MiniBatchPlan([], list(layouts))
+        choice.size = 0
+        for size in _candidates(len(order)):
+            probe = minibatch_features(sentence_features, plan, tuple(Segment(c, r, r + 1) for c, r in order[:size]))
+            passes = 1 if size >= rows else 2
+            graph_peak, dim, choice.meter = _probe_peak(model, probe, device, passes)
+            peak = None if graph_peak is None else graph_peak + _step_overhead_bytes(rows, layouts, dim, size)
+            choice.tried[size] = -1 if peak is None else peak
+            if peak is None or peak > budget:
+                break
+            choice.size = size
+        else:
+            if len(order) < rows:
+                # Columns that cannot share a forward pass: one pass holds every column's graph at once,
+                # each at most as large as the longest column's.
+                whole = graph_peak * len(layouts) + _step_overhead_bytes(rows, layouts, dim, rows)
+                choice.tried[rows] = whole
+                if whole <= budget:
+                    choice.size = rows
+        if not choice.size:
+            needed = choice.tried.get(1, -1)
+            raise ValueError(
+                f"mini_batch_size='auto': even a mini-batch of one row (the batch's longest, {longest} tokens) needs "
+                + (f"{needed / 2**20:.0f} MiB" if needed >= 0 else "more memory than is free")
+                + f", above the {budget / 2**20:.0f} MiB budget. Raise memory_budget_mb, shorten max_seq_length, "
+                "or enable gradient checkpointing."
+            )
+        return choice
+
+
+def _candidates(limit: int) -> Iterator[int]:
+    size = 1
+    while size < limit:
+        yield size
+        size *= 2
+    yield limit
+
+
+def _longest_row(features: Features, layout: ColumnLayout) -> int:
+    if layout.lengths is not None and layout.rows:
+        return int(layout.lengths.max())
+    input_ids = features.get("input_ids")
+    return int(input_ids.shape[-1]) if isinstance(input_ids, Tensor) and input_ids.ndim else 0
+
+
+def _longest_first(sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> list[tuple[int, int]]:
+    """(column, row) pairs, longest rows first: of every column when columns share forward passes,
+    else of the column whose longest row is longest (forward passes then never mix columns)."""
+    if can_merge(sentence_features, layouts):
+        columns = range(len(layouts))
+    else:
+        columns = [max(range(len(layouts)), key=lambda c: _longest_row(sentence_features[c], layouts[c]))]
+    pairs = [(c, r) for c in columns for r in range(layouts[c].rows)]
+    if all(layouts[c].lengths is not None for c in columns):
+        pairs.sort(key=lambda pair: -int(layouts[pair[0]].lengths[pair[1]]))
+    return pairs
+
+
+def _device_of(sentence_features: Sequence[Features]) -> torch.device:
+    for features in sentence_features:
+        for value in features.values():
+            if isinstance(value, Tensor):
+                return value.device
+    return torch.device("cpu")
+
+
+def _probe_peak(
+    model: nn.Module, features: Features, device: torch.device, passes: int = 2
+) -> tuple[int | None, int, str]:
+    """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
+    memory), the embedding size, and the meter.
+
+    Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients,
+    and every later one adds a fresh gradient to them. The gradients accumulate in ``.grad`` as in
+    training; the ones already there are set aside first and put back after, untouched.
+    """
+    module = getattr(model, "_orig_mod", model)  # torch.compile: no recompilation for probe shapes
+    local = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+    params = [p for p in module.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    dim, meter = 0, ""
+    try:
+        for param in params:
+            param.grad = None
+        with local, measure_peak(device) as peak, torch.enable_grad():
+            meter = peak.meter
+            for _ in range(passes):
+                output = module(features)["sentence_embedding"]
+                dim = output.shape[-1]
+                if not output.requires_grad:
+                    break
+                output.float().pow(2).sum().backward()
+                del output
+    except torch.cuda.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None, dim, meter
+    finally:
+        for param, grad in zip(params, saved):
+            param.grad = grad
+    return peak.peak_bytes, dim, meter
+
+
+def _step_overhead_bytes(rows: int, layouts: Sequence[ColumnLayout], dim: int, size: int) -> int:
+    """What a step holds beyond one mini-batch's graph, estimated: the batch's embeddings, their cached
+    gradients and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block
+    for ``size`` anchors against every candidate with its softmax and gradient."""
+    anchors = layouts[0].rows
+    candidates = rows - anchors if len(layouts) > 1 else rows
+    return 4 * (3 * rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+
+
+@contextlib.contextmanager
+def resolved_mini_batch_size(
+    loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
+) -> Iterator[tuple[int, int | None]]:
+    """``(mini_batch_size, mini_batch_num_tokens)`` for this batch, ``"auto"`` resolved. While the block
+    runs, the loss's own ``mini_batch_size`` reads the resolved size (its loss-over-embeddings chunks
+    by it), and reads ``"auto"`` again afterwards."""
+    holder = getattr(loss, "settings_holder", loss)
+    num_tokens = getattr(loss, "mini_batch_num_tokens", None)
+    if holder.mini_batch_size != AUTO:
+        yield loss.mini_batch_size, num_tokens
+        return
+    size = holder.auto_mini_batch.size_for(loss.model, sentence_features, layouts)
+    holder.mini_batch_size = size
+    try:
+        yield size, None
+    finally:
+        holder.mini_batch_size = AUTO
+
+
+def auto_state(mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None) -> AutoMiniBatch | None:
+    """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``)."""
+    if mini_batch_size != AUTO:
+        if memory_budget_mb is not None:
+            raise ValueError("memory_budget_mb applies to mini_batch_size='auto' only; set mini_batch_size='auto'.")
+        return None
+    if mini_batch_num_tokens is not None:
+        raise ValueError(
+            "mini_batch_size='auto' chooses the mini-batch itself: leave mini_batch_num_tokens at None, or give "
+            "mini_batch_size a number."
+        )
+    return AutoMiniBatch(memory_budget_mb)
+
+
+def auto_mini_batch_of(loss: nn.Module) -> AutoMiniBatch | None:
+    """The auto-mode state of ``loss`` or of the cached loss it wraps (Matryoshka, cross-batch memory)."""
+    while loss is not None:
+        state = getattr(loss, "auto_mini_batch", None)
+        if isinstance(state, AutoMiniBatch):
+            return state
+        loss = getattr(loss, "loss", None)
+    return None

@@ -1,0 +1,93 @@
+"""Upstream's cached ranking losses on st_ext's GradCache engine, with ``mini_batch_size="auto"``.
+
+``CachedMultipleNegativesRankingLoss`` and ``CachedMultipleNegativesSymmetricRankingLoss`` are
+upstream's classes, subclassed: the constructor takes the installed release's arguments in its
+order (plus the keyword-only ``memory_budget_mb``), the loss over embeddings is upstream's own
+``calculate_loss`` (every option of the installed release: similarity, scale, directions,
+hardness, gathering across devices), and the model card names upstream's class. Only the forward
+pass is st_ext's (:func:`~st_ext.losses.gradcache.gradcache_forward`): columns share forward passes,
+each mini-batch is as wide as its own longest row, nothing waits on the device between mini-batches,
+one pass runs when the whole batch fits, and ``mini_batch_size`` may be ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from st_ext._compat import st_losses
+from st_ext.losses._signatures import named_like_upstream, upstream_parameters
+from st_ext.losses.auto_mini_batch import AUTO, auto_state
+from st_ext.losses.cached_adapters import UpstreamCachedLoss
+from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
+
+_upstream = st_losses()
+
+#: Stands in for ``"auto"`` while upstream's constructor runs (it may check that the size is a number).
+_PLACEHOLDER_SIZE = 32
+
+
+class CachedRankingLoss:
+    """What both classes add to their upstream base: the auto mode and st_ext's forward pass."""
+
+    def _set_up_mini_batching(self, memory_budget_mb: float | None) -> None:
+        validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
+        self.auto_mini_batch = auto_state(
+            self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
+        )
+        self.memory_budget_mb = memory_budget_mb
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        sentence_features = list(sentence_features)
+        if len(sentence_features) < 2:
+            raise ValueError(f"Expected at least 2 inputs, got {len(sentence_features)}")
+        return gradcache_forward(UpstreamCachedLoss(self, as_decorated=True), sentence_features, labels)
+
+
+def _subclass(upstream_class: type) -> type:
+    """``upstream_class`` with :class:`CachedRankingLoss` mixed in and upstream's constructor signature
+    (read from the installed release) plus the keyword-only ``memory_budget_mb``."""
+    parameters = upstream_parameters(upstream_class)
+    signature = inspect.Signature(
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *parameters,
+            inspect.Parameter("memory_budget_mb", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ]
+    )
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        memory_budget_mb = arguments.pop("memory_budget_mb")
+        auto = arguments["mini_batch_size"] == AUTO
+        if auto:
+            arguments["mini_batch_size"] = _PLACEHOLDER_SIZE
+        upstream_class.__init__(self, **arguments)
+        if auto:
+            self.mini_batch_size = AUTO
+        self._set_up_mini_batching(memory_budget_mb)
+
+    __init__.__signature__ = signature
+    __init__.__doc__ = upstream_class.__init__.__doc__
+    namespace = {
+        "__init__": __init__,
+        "__doc__": (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "")
+        + "\n\n    st_ext: runs on st_ext's GradCache engine; ``mini_batch_size`` may be ``\"auto\"``, sized to the "
+        "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n",
+        "__module__": __name__,
+        "__qualname__": upstream_class.__name__,
+    }
+    cls = type(upstream_class.__name__, (CachedRankingLoss, upstream_class), namespace)
+    return named_like_upstream(upstream_class)(cls)
+
+
+CachedMultipleNegativesRankingLoss: type[nn.Module] = _subclass(_upstream.CachedMultipleNegativesRankingLoss)
+CachedMultipleNegativesSymmetricRankingLoss: type[nn.Module] = _subclass(
+    _upstream.CachedMultipleNegativesSymmetricRankingLoss
+)
