@@ -24,9 +24,10 @@ switched on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -176,6 +177,23 @@ def _disable_custom(name: str, module: nn.Module) -> None:
         "gradient_checkpointing_disable(), so checkpointing cannot be switched off there. "
         "Add gradient_checkpointing_disable() to that module."
     )
+
+
+@contextlib.contextmanager
+def switched_on(root: nn.Module) -> Iterator[None]:
+    """Checkpointing on inside the block, and back off after it (unless it was on already).
+
+    For a caller that checkpoints some passes only (``mini_batch_size="auto"`` may checkpoint its
+    graph passes): the model is left as it was found.
+    """
+    if is_enabled(root):
+        yield
+        return
+    enable(root)
+    try:
+        yield
+    finally:
+        disable(root)
 
 
 def is_enabled(root: nn.Module) -> bool:

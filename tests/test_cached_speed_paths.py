@@ -268,8 +268,11 @@ def test_out_of_memory_while_measuring_counts_as_over_budget(model, monkeypatch)
     columns = text_columns(BATCH, 2)
     value = loss(features_of(model, columns), None)
     value.backward()
-    assert loss.auto_mini_batch.choice.size == 4
-    assert probe_rows == [1, 2, 4, 8] and loss.auto_mini_batch.choice.tried[8] == -1
+    choice = loss.auto_mini_batch.choice
+    assert choice.size == 4 and not choice.checkpointing
+    # 8 rows ran out of memory, and again with checkpointing (the lever tries the next size up).
+    assert probe_rows == [1, 2, 4, 8, 8] and choice.tried[8] == choice.tried["8+ckpt"] == -1
+    assert "8: out of memory" in str(choice)
 
 
 def test_auto_measures_again_only_for_a_longer_or_larger_batch(model):
@@ -319,3 +322,32 @@ def test_a_frozen_encoder_gets_each_column_in_the_planned_pieces(model):
     features = features_of(model, text_columns(BATCH, 2))
     plan = plan_minibatches(features, [layout_of(f) for f in features], 5)
     assert plan.column_ranges() == [[(0, 5), (5, 8)], [(0, 2), (2, 7), (7, 8)]]
+
+
+def test_auto_may_checkpoint_a_larger_mini_batch_and_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """Where checkpointing lets a larger mini-batch fit the budget and the estimate calls it faster, auto
+    checkpoints its graph passes only: the no-grad passes run plain, the model ends the step as it began,
+    and the gradients are the uncached loss's."""
+    from st_ext import checkpointing
+    from tiny_models import save_tiny_bert, sentence_transformer_from
+
+    # Training mode (transformers checkpoints only there), without dropout so the uncached loss compares.
+    model = sentence_transformer_from(save_tiny_bert(tmp_path, num_layers=6, hidden_size=64, dropout=0.0)).train()
+    columns = text_columns(16, 2, min_words=10, max_words=14)
+    features = features_of(model, columns)
+    layouts = [layout_of(f) for f in features]
+    plain = auto_mini_batch._Series(model, features, layouts, 32, 2**40, torch.device("cpu"))
+    plain.largest_fitting(1)
+    budget = (plain.peaks[4] + plain.peaks[8]) / 2
+    monkeypatch.setattr(auto_mini_batch._Series, "step_seconds", lambda self, size: 1.0 / (1 + self.checkpointed))
+    loss = cmnrl(model, "auto", memory_budget_mb=budget / 2**20)
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append((torch.is_grad_enabled(), checkpointing.is_enabled(module))))
+
+    actual = loss_and_grads(model, loss, columns, train=True)
+    choice = loss.auto_mini_batch.choice
+    assert choice.checkpointing and choice.size > 4 and "with gradient checkpointing" in str(choice), choice
+    step = passes[-2 * math.ceil(32 / choice.size):]
+    assert all(on == with_graph for with_graph, on in step), "checkpointing in the graph passes only"
+    assert not checkpointing.is_enabled(model)
+    assert_same_grads(actual, loss_and_grads(model, upstream.MultipleNegativesRankingLoss(model), columns, train=True))

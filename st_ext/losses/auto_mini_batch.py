@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from st_ext import checkpointing
 from st_ext.losses.features import Features
 from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
 from st_ext.memory import measure_peak
@@ -51,7 +53,8 @@ class MiniBatchChoice:
     longest_row: int
     budget_bytes: int | None
     meter: str = ""
-    tried: dict[int, int] = field(default_factory=dict)
+    tried: dict[int | str, int] = field(default_factory=dict)
+    checkpointing: bool = False
 
     @property
     def single_pass(self) -> bool:
@@ -59,9 +62,13 @@ class MiniBatchChoice:
 
     def __str__(self) -> str:
         how = "one pass over the whole batch" if self.single_pass else f"{-(-self.rows // self.size)} mini-batches"
+        if self.checkpointing:
+            how += " with gradient checkpointing"
         if self.budget_bytes is None:
             return f"mini_batch_size auto -> {self.size} ({how}: no memory budget on this device)"
-        tried = ", ".join(f"{size}: {peak / 2**20:.0f} MiB" for size, peak in sorted(self.tried.items()))
+        tried = ", ".join(
+            f"{size}: {peak / 2**20:.0f} MiB" if peak >= 0 else f"{size}: out of memory" for size, peak in self.tried.items()
+        )
         return (
             f"mini_batch_size auto -> {self.size} ({how}; {self.rows} rows, longest {self.longest_row} tokens; "
             f"budget {self.budget_bytes / 2**20:.0f} MiB, {self.meter}; step peak by size: {tried})"
@@ -115,43 +122,85 @@ class AutoMiniBatch:
         choice = MiniBatchChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
         if budget is None:
             return choice
-        order = _longest_first(sentence_features, layouts)
-        plan = MiniBatchPlan([], list(layouts))
-        choice.size = 0
-        for size in _candidates(len(order)):
-            probe = minibatch_features(sentence_features, plan, tuple(Segment(c, r, r + 1) for c, r in order[:size]))
-            passes = 1 if size >= rows else 2
-            graph_peak, dim, choice.meter = _probe_peak(model, probe, device, passes)
-            peak = None if graph_peak is None else graph_peak + _step_overhead_bytes(rows, layouts, dim, size)
-            choice.tried[size] = -1 if peak is None else peak
-            if peak is None or peak > budget:
-                break
-            choice.size = size
-        else:
-            if len(order) < rows:
-                # Columns that cannot share a forward pass: one pass holds every column's graph at once,
-                # each at most as large as the longest column's.
-                whole = graph_peak * len(layouts) + _step_overhead_bytes(rows, layouts, dim, rows)
-                choice.tried[rows] = whole
-                if whole <= budget:
-                    choice.size = rows
-        if not choice.size:
-            needed = choice.tried.get(1, -1)
+        series = _Series(model, sentence_features, layouts, rows, budget, device)
+        plain = series.largest_fitting(1)
+        choice.size, choice.tried, choice.meter = plain, dict(series.peaks), series.meter
+        if not plain:
+            needed = series.peaks.get(1, -1)
             raise ValueError(
                 f"mini_batch_size='auto': even a mini-batch of one row (the batch's longest, {longest} tokens) needs "
                 + (f"{needed / 2**20:.0f} MiB" if needed >= 0 else "more memory than is free")
                 + f", above the {budget / 2**20:.0f} MiB budget. Raise memory_budget_mb, shorten max_seq_length, "
                 "or enable gradient checkpointing."
             )
+        if plain < rows and checkpointing.checkpointable_modules(model) and not checkpointing.is_enabled(model):
+            # The lever: recomputing activations in the backward pass may let a larger mini-batch fit, and
+            # fewer, larger passes can be faster than the recomputation costs.
+            with_checkpointing = _Series(model, sentence_features, layouts, rows, budget, device, checkpointed=True)
+            larger = with_checkpointing.largest_fitting(plain * 2)
+            choice.tried.update({f"{size}+ckpt": peak for size, peak in with_checkpointing.peaks.items()})
+            if larger and with_checkpointing.step_seconds(larger) < series.step_seconds(plain):
+                choice.size, choice.checkpointing = larger, True
         return choice
 
 
-def _candidates(limit: int) -> Iterator[int]:
-    size = 1
+class _Series:
+    """Probes of doubling mini-batch sizes on the batch's longest rows: peak bytes (estimates of the
+    rest of the step included) and seconds of each, with or without gradient checkpointing."""
+
+    def __init__(self, model, sentence_features, layouts, rows, budget, device, *, checkpointed: bool = False):
+        self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
+        self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
+        self.order = _longest_first(sentence_features, layouts)
+        self.peaks: dict[int, int] = {}
+        self.seconds: dict[int, float] = {}
+        self.meter = ""
+
+    def largest_fitting(self, start: int) -> int:
+        """The largest probed size from ``start`` up whose step fits the budget (0: none)."""
+        plan = MiniBatchPlan([], list(self.layouts))
+        fitting = 0
+        for size in _candidates(len(self.order), start):
+            rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
+            passes = 1 if size >= self.rows else 2
+            switch = checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext()
+            began = time.perf_counter()
+            with switch:
+                graph_peak, dim, self.meter = _probe_peak(
+                    self.model, minibatch_features(self.sentence_features, plan, rows), self.device, passes
+                )
+            self.seconds[size] = (time.perf_counter() - began) / passes
+            peak = None if graph_peak is None else graph_peak + _step_overhead_bytes(self.rows, self.layouts, dim, size)
+            self.peaks[size] = -1 if peak is None else peak
+            if peak is None or peak > self.budget:
+                return fitting
+            fitting = size
+        if len(self.order) < self.rows:
+            # Columns that cannot share a forward pass: one pass holds every column's graph at once,
+            # each at most as large as the longest column's.
+            whole = graph_peak * len(self.layouts) + _step_overhead_bytes(self.rows, self.layouts, dim, self.rows)
+            self.peaks[self.rows] = whole
+            self.seconds[self.rows] = self.seconds[fitting] * len(self.layouts)
+            if whole <= self.budget:
+                fitting = self.rows
+        return fitting
+
+    def step_seconds(self, size: int) -> float:
+        """A step's estimated time at ``size``: one plain pass, or a no-grad and a graph pass per mini-batch
+        (a no-grad forward costs about a third of a forward and backward, a quarter with checkpointing)."""
+        if size >= self.rows:
+            return self.seconds[size]
+        passes = -(-self.rows // size)
+        return passes * self.seconds[size] * (1.25 if self.checkpointed else 4 / 3)
+
+
+def _candidates(limit: int, start: int = 1) -> Iterator[int]:
+    size = start
     while size < limit:
         yield size
         size *= 2
-    yield limit
+    if limit >= start:
+        yield limit
 
 
 def _longest_row(features: Features, layout: ColumnLayout) -> int:
@@ -228,22 +277,31 @@ def _step_overhead_bytes(rows: int, layouts: Sequence[ColumnLayout], dim: int, s
     return 4 * (3 * rows * dim + 3 * min(size, anchors) * max(candidates, 1))
 
 
+@dataclass(frozen=True)
+class MiniBatching:
+    """How this batch is embedded: rows (or tokens) per mini-batch, and whether the graph passes checkpoint."""
+
+    size: int
+    num_tokens: int | None = None
+    checkpointing: bool = False
+
+
 @contextlib.contextmanager
 def resolved_mini_batch_size(
     loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
-) -> Iterator[tuple[int, int | None]]:
-    """``(mini_batch_size, mini_batch_num_tokens)`` for this batch, ``"auto"`` resolved. While the block
-    runs, the loss's own ``mini_batch_size`` reads the resolved size (its loss-over-embeddings chunks
-    by it), and reads ``"auto"`` again afterwards."""
+) -> Iterator[MiniBatching]:
+    """This batch's :class:`MiniBatching`, ``"auto"`` resolved. While the block runs, the loss's own
+    ``mini_batch_size`` reads the resolved size (its loss-over-embeddings chunks by it), and reads
+    ``"auto"`` again afterwards."""
     holder = getattr(loss, "settings_holder", loss)
-    num_tokens = getattr(loss, "mini_batch_num_tokens", None)
     if holder.mini_batch_size != AUTO:
-        yield loss.mini_batch_size, num_tokens
+        yield MiniBatching(loss.mini_batch_size, getattr(loss, "mini_batch_num_tokens", None))
         return
-    size = holder.auto_mini_batch.size_for(loss.model, sentence_features, layouts)
+    state = holder.auto_mini_batch
+    size = state.size_for(loss.model, sentence_features, layouts)
     holder.mini_batch_size = size
     try:
-        yield size, None
+        yield MiniBatching(size, None, state.choice.checkpointing)
     finally:
         holder.mini_batch_size = AUTO
 

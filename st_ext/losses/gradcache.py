@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
+from st_ext import checkpointing
 from st_ext._compat import st_modules
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
@@ -188,6 +189,8 @@ class ReplayPlan:
     rng_states: list[RngState]
     grads: list[list[Tensor]]
     show_progress_bar: bool = False
+    #: The auto mode chose gradient checkpointing for the graph passes (see :mod:`~st_ext.losses.auto_mini_batch`).
+    checkpointing: bool = False
 
 
 def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
@@ -199,7 +202,7 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
     """
     last = len(replay.plan.minibatches) - 1
     jobs = zip(replay.plan.minibatches, replay.rng_states, replay.grads)
-    with torch.enable_grad():
+    with torch.enable_grad(), _checkpointed(replay.model, replay.checkpointing):
         for index, (minibatch, state, grads) in enumerate(
             tqdm(list(jobs), desc="Backward mini-batches", disable=not replay.show_progress_bar)
         ):
@@ -216,6 +219,10 @@ def _surrogate(reps: Tensor, grad: Tensor, grad_output: Tensor) -> Tensor:
     """A scalar whose gradient wrt ``reps`` is ``grad * grad_output``, computed in at least fp32."""
     dtype = torch.promote_types(torch.promote_types(reps.dtype, grad.dtype), torch.float32)
     return torch.dot(reps.flatten().to(dtype), grad.flatten().to(dtype)) * grad_output
+
+
+def _checkpointed(model: nn.Module, on: bool):
+    return checkpointing.switched_on(model) if on else nullcontext()
 
 
 def _sync_unless_last(model: nn.Module, last: bool):
@@ -240,13 +247,14 @@ def gradcache_forward(
     sentence_features = list(sentence_features)
     layouts = [layout_of(features) for features in sentence_features]
     show_progress_bar = getattr(loss, "show_progress_bar", False)
-    with resolved_mini_batch_size(loss, sentence_features, layouts) as (mini_batch_size, mini_batch_num_tokens):
-        plan = plan_minibatches(sentence_features, layouts, mini_batch_size, mini_batch_num_tokens)
+    with resolved_mini_batch_size(loss, sentence_features, layouts) as batching:
+        plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
         # Frozen encoders first: they read the features before any module edits them in place.
         frozen = loss.frozen_embeddings(sentence_features, plan.column_ranges())
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and plan.single_pass:
-            reps, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False)
+            with _checkpointed(loss.model, batching.checkpointing):
+                reps, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False)
             return loss_fn(reps, frozen, labels, with_backward=False)
         with torch.no_grad():
             reps, rng_states = embed_minibatches(
@@ -265,7 +273,7 @@ def gradcache_forward(
         )
     pieces = [iter(column) for column in reps]
     grads = [[next(pieces[segment.column]).grad for segment in minibatch] for minibatch in plan.minibatches]
-    replay = ReplayPlan(loss.model, sentence_features, plan, rng_states, grads, show_progress_bar)
+    replay = ReplayPlan(loss.model, sentence_features, plan, rng_states, grads, show_progress_bar, batching.checkpointing)
     result = value.detach().requires_grad_()
     result.register_hook(partial(replay_backward, replay=replay))
     return result
