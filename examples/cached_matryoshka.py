@@ -2,7 +2,8 @@
 
 Wraps CachedMultipleNegativesRankingLoss in st_ext's MatryoshkaLoss, which runs the backward one
 mini-batch at a time for all dimensions together, and prints the measured peak memory of one step
-at two batch sizes: it stays near the mini-batch's, whatever the batch size.
+at two batch sizes: it stays near the mini-batch's, whatever the batch size. Then lets the loss size
+its own mini-batches (``mini_batch_size="auto"``) under a memory budget and prints what it chose.
 
     python examples/cached_matryoshka.py [--max-steps 20]
 """
@@ -29,6 +30,9 @@ def step_peak(model, loss, pairs, batch_size: int) -> float:
     rows = pairs[:batch_size]
     anchors, positives = [r["anchor"] for r in rows], [r["positive"] for r in rows]
     features = [preprocess(model, anchors, model.device), preprocess(model, positives, model.device)]
+    auto = getattr(getattr(loss, "loss", loss), "auto_mini_batch", None)
+    if auto is not None and auto.choice is None:
+        loss(features, None).backward()  # the first step measures (outside the meter: it has its own)
     with measure_peak() as peak:
         loss(features, None).backward()
     model.zero_grad(set_to_none=False)
@@ -54,6 +58,10 @@ def main() -> None:
         f"peak memory of one step, mini-batch 8: batch {small_batch} -> {small:.0f} MiB, "
         f"batch {args.batch_size} -> {large:.0f} MiB"
     )
+    budget = 2 * large
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=budget)
+    auto_peak = step_peak(model, losses.MatryoshkaLoss(model, inner, DIMS), pairs, args.batch_size)
+    print(f"mini_batch_size='auto' under a {budget:.0f} MiB budget: {inner.auto_mini_batch.choice}; step peak {auto_peak:.0f} MiB")
 
     training_args = SentenceTransformerTrainingArguments(
         output_dir=args.output_dir,

@@ -9,7 +9,6 @@ to ``output_dir`` through temporary names, so nothing there is ever half-written
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from datasets import Dataset, load_dataset
 
 from st_ext import SentenceTransformer, SentenceTransformerTrainingArguments
 from st_ext._compat import checkpointing_training_args, embedding_dimension
+from st_ext.cli import publishing
 from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
@@ -146,6 +146,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
     validate(config)
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
+    for line in publishing.recover(output_dir / "model"):
+        print(line)
     split = Dataset.from_list(load_pairs(config)).train_test_split(test_size=config.eval_fraction, seed=config.seed)
     train_dataset, eval_pairs = split["train"], split["test"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -234,15 +236,11 @@ def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims
 
 
 def _save_model(model, path: Path) -> Path:
-    """Save into a temporary sibling directory, then swap it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    """Save into a hidden staging folder beside ``path``, then swap it in (:mod:`st_ext.cli.publishing`)."""
+    staging = publishing.staging_folder(path)
     try:
         model.save(str(staging))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return path
+    return publishing.publish(staging, path)

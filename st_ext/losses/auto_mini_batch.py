@@ -9,11 +9,15 @@ fits the budget. When every row fits, the step runs as one plain forward and bac
 
 * The budget counts memory above the level at the start of the loss's forward pass. On CUDA the
   default is a fraction of what is free (after the gradients and Adam states the first optimizer
-  step has yet to allocate); on the CPU it must be given, and without one the whole batch is one
-  mini-batch.
+  step has yet to allocate); on the CPU there is none unless one is given, and the whole batch is
+  one mini-batch.
 * The measurement is repeated when a batch has more rows or a longer row than any measured before.
 * An out-of-memory error while measuring counts as over budget: it is caught and the cache emptied.
 * Measuring leaves no trace: gradients already accumulated in ``.grad`` are set aside and put back.
+* Gradient checkpointing is a lever: when the model can checkpoint (and does not already), the
+  sizes above the plain choice are measured again with checkpointing on, and a larger checkpointed
+  mini-batch is taken when the measured times say the step is faster. Only the graph passes then
+  checkpoint, and the model is switched back after each.
 * The choice and its measurements are logged once per measurement and kept in ``choice``.
 """
 
@@ -237,9 +241,11 @@ def _probe_peak(
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
     memory), the embedding size, and the meter.
 
-    Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients,
-    and every later one adds a fresh gradient to them. The gradients accumulate in ``.grad`` as in
-    training; the ones already there are set aside first and put back after, untouched.
+    Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients
+    (unless the step starts with gradients already there), and every later one adds a fresh gradient
+    to them. The gradients accumulate in ``.grad`` as in training: the ones already there are set
+    aside, zeros of their shape stand in for them (allocated before the meter starts, as a step that
+    accumulates would find them), and the originals are put back untouched.
     """
     module = getattr(model, "_orig_mod", model)  # torch.compile: no recompilation for probe shapes
     local = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
@@ -247,8 +253,8 @@ def _probe_peak(
     saved = [p.grad for p in params]
     dim, meter = 0, ""
     try:
-        for param in params:
-            param.grad = None
+        for param, grad in zip(params, saved):
+            param.grad = None if grad is None else torch.zeros_like(grad)
         with local, measure_peak(device) as peak, torch.enable_grad():
             meter = peak.meter
             for _ in range(passes):
