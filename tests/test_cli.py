@@ -79,6 +79,12 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--mini-batch-size", "auto", "--memory-budget-mb", "-5"], "memory_budget_mb: -5.0 must be positive"),
         (["--data", "/no/such/file.jsonl"], "does not exist"),
         (["--guide-mode", "sideways"], "guide_mode: 'sideways' is not one of resident, offload, precompute"),
+        (["--max-pairs", "-5"], "max_pairs: -5 is out of range; use 0 (all pairs) or more"),
+        (["--epochs", "-1"], "epochs: -1.0 is out of range; use a number above 0"),
+        (["--max-steps", "0"], "max_steps: 0 is out of range; use -1 (train by epochs) or a positive number"),
+        (["--max-seq-length", "0"], "max_seq_length: 0 is out of range; use 1 or more tokens"),
+        (["--learning-rate", "-0.001"], "learning_rate: -0.001 is out of range; use a number above 0"),
+        (["--seed", "-1"], "seed: -1 is out of range; use 0 or more"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):

