@@ -137,9 +137,10 @@ def plan_minibatches(
             "(flattened inputs) nor an 'attention_mask' (padded inputs). Use mini_batch_size instead."
         )
     all_rows = [(column, row) for column, layout in enumerate(layouts) for row in range(layout.rows)]
-    single_pass = len(_cut(all_rows, layouts, mini_batch_size, mini_batch_num_tokens)) <= 1
+    merged_groups = _cut(all_rows, layouts, mini_batch_size, mini_batch_num_tokens)
+    single_pass = len(merged_groups) <= 1
     if merge and len(layouts) > 1 and can_merge(sentence_features, layouts):
-        minibatches = [_segments(group) for group in _cut(all_rows, layouts, mini_batch_size, mini_batch_num_tokens)]
+        minibatches = [_segments(group) for group in merged_groups]
     else:
         minibatches = []
         for column, layout in enumerate(layouts):
