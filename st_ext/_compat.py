@@ -17,6 +17,10 @@ APIs itself. The differences that matter:
 * Losses that come and go: ``DistillKLDivLoss`` is missing from 4.1 (:func:`upstream_loss_class`);
   5.7 added a shared GradCache base, ``CachedLossMixin``, whose ``calculate_loss`` also takes the
   labels (:func:`upstream_cached_loss_mixin`); ``MarginMSELoss`` takes several negatives from 5.0.
+* ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) sample among the hidden states 1 … L-1 before 5.2,
+  and among 0 … L-1 (the embedding output included) from 5.2; from 5.7 the final layer is a detached
+  KL teacher and prior layers are weighted by ``get_layer_weight`` (``layer_weighting``), before that
+  by ``1 / (1 + index)`` (:class:`AdaptiveLayerRules`).
 * ``BatchHardTripletLossDistanceFunction`` spells its Euclidean distance ``eucledian_distance`` on
   every release and also ``euclidean_distance`` on newer ones (:func:`upstream_triplet_distance`).
 * sentence-transformers 6 caches accelerate's placement hook on the model and offers
@@ -228,6 +232,21 @@ def upstream_cached_loss_mixin() -> type | None:
     except ImportError:
         return None
     return CachedLossMixin
+
+
+class AdaptiveLayerRules:
+    """How the installed ``AdaptiveLayerLoss`` picks, weighs and distils its prior layers."""
+
+    #: The hidden-state index of the layer upstream numbers 0 (1 before 5.2: the embedding output is skipped).
+    first_hidden_state = 1 if ST_VERSION < Version("5.2.0") else 0
+    #: Whether the final layer's KL target is detached (5.7+), or also receives the KL gradient.
+    detached_teacher = ST_VERSION >= Version("5.7.0")
+
+    @staticmethod
+    def prior_layer_weight(loss: nn.Module, index: int) -> float:
+        """The weight of upstream's prior layer ``index`` (``layer_weighting`` from 5.7, ``1 / (1 + index)`` before)."""
+        get_layer_weight = getattr(loss, "get_layer_weight", None)
+        return get_layer_weight(index) if get_layer_weight is not None else 1.0 / (1 + index)
 
 
 def upstream_triplet_distance(name: str) -> Callable[[Tensor], Tensor] | None:

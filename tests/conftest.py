@@ -51,6 +51,12 @@ def guide_dir(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_guide"), seed=1)
 
 
+@pytest.fixture(scope="module")
+def deep_model(tiny_bert6_dir):
+    """A SentenceTransformer over the 6-layer tiny BERT, in training mode, shared by a module's memory tests."""
+    return sentence_transformer_from(tiny_bert6_dir).train()
+
+
 @pytest.fixture
 def model(tiny_bert_dir):
     """A fresh SentenceTransformer over the tiny BERT (tests change its weights and modes)."""

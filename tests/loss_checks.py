@@ -29,6 +29,11 @@ def text_columns(batch_size: int, num_columns: int, seed: int = 0, **kwargs) -> 
     return [texts[i * batch_size : (i + 1) * batch_size] for i in range(num_columns)]
 
 
+def long_columns(batch_size: int) -> list[list[str]]:
+    """(anchor, positive) columns of long texts, seeded by the batch size: for memory measurements."""
+    return text_columns(batch_size, 2, seed=batch_size, min_words=10, max_words=16)
+
+
 def features_of(model, columns: list[list[str]]) -> list[dict]:
     return [preprocess(model, column) for column in columns]
 
@@ -104,6 +109,19 @@ def peak_training_bytes(model, loss, columns) -> int:
         loss(features, None).backward()
     model.zero_grad(set_to_none=True)
     return peak.peak_bytes
+
+
+def assert_bounded_by_the_mini_batch(model, cached, reference) -> None:
+    """From batch 16 to 128 at a mini-batch of 16, ``cached``'s peak stays within 1.25x while the
+    non-cached ``reference``'s at least triples (the premise), ending 3x above the cached one."""
+    small, large = long_columns(16), long_columns(128)
+    cached_small = peak_training_bytes(model, cached, small)
+    cached_large = peak_training_bytes(model, cached, large)
+    reference_small = peak_training_bytes(model, reference, small)
+    reference_large = peak_training_bytes(model, reference, large)
+    assert cached_large <= 1.25 * cached_small, (cached_small, cached_large)
+    assert reference_large >= 3 * reference_small, (reference_small, reference_large)
+    assert cached_large * 3 <= reference_large, (cached_large, reference_large)
 
 
 def pair_dataset(rows: int, seed: int = 0, negatives: int = 0) -> Dataset:

@@ -46,6 +46,7 @@ REPLACED = sorted(
     if hasattr(upstream, name) and getattr(losses, name) is not getattr(upstream, name)
 )
 EXPECTED_REPLACED = [
+    "AdaptiveLayerLoss",
     "BatchAllTripletLoss",
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
@@ -53,6 +54,7 @@ EXPECTED_REPLACED = [
     "CachedMultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
     "GISTEmbedLoss",
+    "Matryoshka2dLoss",
     "MatryoshkaLoss",
 ]
 #: The one relaxation: a guide may be left out when precomputed guide embeddings replace it.
@@ -73,7 +75,7 @@ def same_default(ours: object, theirs: object) -> bool:
 
 def test_the_replaced_classes_are_the_expected_ones():
     assert REPLACED == EXPECTED_REPLACED
-    for name in ("AdaptiveLayerLoss", "Matryoshka2dLoss", "MultipleNegativesRankingLoss"):
+    for name in ("MultipleNegativesRankingLoss", "CoSENTLoss"):
         assert getattr(losses, name) is getattr(upstream, name)
 
 
@@ -160,6 +162,12 @@ def context(model, guide):
             "partition_mode": lambda: "per_direction",
             "hardness_mode": lambda: "hard_negatives",
             "hardness_strength": lambda: 0.5,
+            "n_layers_per_step": lambda: 2,
+            "last_layer_weight": lambda: 1.5,
+            "prior_layers_weight": lambda: 0.75,
+            "kl_div_weight": lambda: 0.6,
+            "kl_temperature": lambda: 0.2,
+            "layer_weighting": lambda: "log",
         }
     )
 
@@ -167,12 +175,13 @@ def context(model, guide):
 def attributes_holding_arguments(instance: object, arguments: dict[str, object]) -> dict[str, object]:
     """The attributes in which upstream stored a constructor argument: by the argument's name, or
     (for values that identify their argument) under another name, e.g. ``triplet_margin``. An inner
-    loss upstream builds for itself (6.x's cached ranking losses keep their options in ``loss``)
-    is searched too, as ``loss.<attribute>``."""
+    loss upstream builds for itself (6.x's cached ranking losses keep their options in ``loss``,
+    Matryoshka2dLoss its dimensions) is searched too, as ``loss.<attribute>``."""
     found = {}
     candidates = {**vars(instance), **getattr(instance, "_modules", {})}
     inner = getattr(instance, "_modules", {}).get("loss")
-    if inner is not None and "loss" not in arguments:
+    if inner is not None and inner is not arguments.get("loss"):
+        candidates.pop("loss")  # upstream's own object, compared through its attributes
         candidates.update({f"loss.{name}": value for name, value in vars(inner).items() if not name.startswith("_")})
     for attribute, value in candidates.items():
         if attribute.startswith("_"):
@@ -339,12 +348,22 @@ def test_gist_errors_are_upstreams(model, guide, caplog, name):
 
 
 @pytest.mark.parametrize("wrapper", ["AdaptiveLayerLoss", "Matryoshka2dLoss"])
-def test_layer_wrappers_over_cached_losses_behave_as_upstream(model, caplog, wrapper):
-    """No new error where upstream only warns: st_ext exports upstream's classes as they are."""
+def test_layer_wrappers_behave_as_upstream_except_over_cached_losses(model, caplog, wrapper):
+    """Over a plain loss: upstream's warnings and errors. Over a cached loss upstream warns that it is not
+    compatible; st_ext's runs it (tests/test_adaptive_layer.py), so it does not warn."""
     args = ([32, 16],) if wrapper == "Matryoshka2dLoss" else ()
+    calls = {
+        "plain": lambda namespace: getattr(namespace, wrapper)(model, upstream.MultipleNegativesRankingLoss(model), *args),
+    }
+    if "layer_weighting" in inspect.signature(getattr(upstream, wrapper).__init__).parameters:
+        calls["bad-weighting"] = lambda namespace: getattr(namespace, wrapper)(
+            model, upstream.MultipleNegativesRankingLoss(model), *args, layer_weighting="cubic"
+        )
+    for label, call in calls.items():
+        assert outcome(lambda: call(losses), caplog) == outcome(lambda: call(upstream), caplog), label
     theirs = outcome(lambda: getattr(upstream, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog)
-    ours = outcome(lambda: getattr(losses, wrapper)(model, losses.CachedMultipleNegativesRankingLoss(model), *args), caplog)
-    assert ours == theirs and ours[0] is None
+    ours = outcome(lambda: getattr(losses, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog)
+    assert theirs[0] is None and ours == (None, [], [])
 
 
 # --------------------------------------------------------------------------------------------

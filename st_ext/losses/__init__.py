@@ -13,8 +13,9 @@ loss name is here. These differ from upstream:
   :class:`GuideEmbeddings` computed before training.
 * :class:`DistillationLoss`: labels of ``MSELoss``, ``MarginMSELoss`` or ``DistillKLDivLoss`` from a
   teacher that is live, offloaded between uses, or precomputed (:class:`TeacherLabels`) and released.
-* ``AdaptiveLayerLoss``, ``Matryoshka2dLoss``: upstream's classes, as they are (over a cached loss
-  they warn and run, as upstream does).
+* :class:`AdaptiveLayerLoss`, :class:`Matryoshka2dLoss`: over cached losses, GradCache over layers
+  (every layer the step uses is cached; memory bounded by one mini-batch); any other loss runs
+  through upstream's implementation.
 * :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`, :class:`BatchSemiHardTripletLoss`: the
   same values as upstream's without B×B×B tensors; they also accept a memory of reference embeddings.
 * :class:`CrossBatchMemoryLoss`: a FIFO queue of earlier steps' embeddings as extra negatives or references.
@@ -32,6 +33,7 @@ _upstream_losses = _st_losses()
 _UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startswith("_")]
 globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NAMES})
 
+from st_ext.losses.adaptive_layer import AdaptiveLayerLoss, Matryoshka2dLoss  # noqa: E402
 from st_ext.losses.cached_ranking import (  # noqa: E402
     CachedMultipleNegativesRankingLoss,
     CachedMultipleNegativesSymmetricRankingLoss,
@@ -44,6 +46,7 @@ from st_ext.losses.registry import build_loss, known_losses  # noqa: E402
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss  # noqa: E402
 
 ST_EXT_LOSSES = [
+    "AdaptiveLayerLoss",
     "BatchAllTripletLoss",
     "BatchHardTripletLoss",
     "BatchSemiHardTripletLoss",
@@ -55,6 +58,7 @@ ST_EXT_LOSSES = [
     "DistillationLoss",
     "GISTEmbedLoss",
     "GuideEmbeddings",
+    "Matryoshka2dLoss",
     "MatryoshkaLoss",
     "TeacherLabels",
     "build_loss",

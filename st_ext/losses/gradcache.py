@@ -15,6 +15,10 @@ step waits on the device to find out where a mini-batch ends. When one mini-batc
 batch, (1)-(3) buy nothing and the plain forward and backward run instead. ``mini_batch_size="auto"``
 is resolved per batch by :mod:`st_ext.losses.auto_mini_batch`.
 
+A mini-batch's forward pass may give several outputs (:data:`Encoder`): a layer-wise loss caches the
+pooled embedding of every layer it uses (:mod:`st_ext.losses.adaptive_layer`), and step (3) back-propagates
+the cached gradients of all of them through one graph.
+
 Frozen encoders (a GIST guide) need no gradient, so their embeddings are computed once in (1) and
 never again. A loss plugs into :func:`gradcache_forward` by providing the :class:`CachedLoss`
 protocol; everything that belongs to one forward pass (features, plan, RNG states, gradients) is
@@ -52,6 +56,14 @@ from st_ext.losses.minibatches import MiniBatchPlan, layout_of, minibatch_featur
 Reps = list[list[Tensor]]
 #: ``loss_fn(reps, frozen, labels, with_backward=...)``; see :meth:`CachedLoss.loss_from_embeddings`.
 LossFn = Callable[..., Tensor]
+#: Embeds one mini-batch: ``encoder(model, features)`` is the list of the model's outputs for its rows,
+#: each ``(rows, dim)``, the sentence embedding first.
+Encoder = Callable[[nn.Module, Features], list[Tensor]]
+
+
+def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
+    """The default :data:`Encoder`: the sentence embedding alone."""
+    return [model(features)["sentence_embedding"]]
 
 
 class CachedLoss(Protocol):
@@ -151,23 +163,27 @@ def embed_minibatches(
     *,
     keep_rng: bool,
     show_progress_bar: bool = False,
-) -> tuple[Reps, list[RngState | None]]:
-    """Every mini-batch's embeddings, split back into columns, and the RNG state each forward started from.
+    encoder: Encoder = sentence_embedding,
+) -> tuple[list[Reps], list[RngState | None]]:
+    """Every mini-batch's outputs, split back into columns (``outputs[output][column][mini_batch]``), and
+    the RNG state each forward started from.
 
     Runs with whatever gradient mode the caller set: without a graph for step (1), with one for a
     single-pass batch.
     """
-    reps: Reps = [[] for _ in plan.layouts]
+    outputs: list[Reps] = []
     rng_states: list[RngState | None] = []
     for minibatch in tqdm(plan.minibatches, desc="Embed mini-batches", disable=not show_progress_bar):
         features = minibatch_features(sentence_features, plan, minibatch)
         rng_states.append(RngState(features.values()) if keep_rng else None)
-        output = model(features)["sentence_embedding"]
-        if not output.requires_grad:
-            output = _compact(output)
-        for segment, rows in zip(minibatch, split_rows(output, minibatch)):
-            reps[segment.column].append(rows)
-    return reps, rng_states
+        for index, output in enumerate(encoder(model, features)):
+            if index == len(outputs):
+                outputs.append([[] for _ in plan.layouts])
+            if not output.requires_grad:
+                output = _compact(output)
+            for segment, rows in zip(minibatch, split_rows(output, minibatch)):
+                outputs[index][segment.column].append(rows)
+    return outputs, rng_states
 
 
 def _compact(rep: Tensor) -> Tensor:
@@ -181,20 +197,22 @@ def _compact(rep: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class ReplayPlan:
     """Everything step (3) needs from one forward pass, captured when that pass ends: the mini-batches,
-    the RNG state each started from, and the cached gradient of each one's output rows."""
+    the RNG state each started from, and the cached gradient of each one's outputs."""
 
     model: nn.Module
     sentence_features: list[Features]
     plan: MiniBatchPlan
     rng_states: list[RngState]
-    grads: list[list[Tensor]]
+    #: ``grads[mini_batch][output]``: the gradient of that output's rows, or None when it got none.
+    grads: list[list[Tensor | None]]
     show_progress_bar: bool = False
     #: The auto mode chose gradient checkpointing for the graph passes (see :mod:`~st_ext.losses.auto_mini_batch`).
     checkpointing: bool = False
+    encoder: Encoder = sentence_embedding
 
 
 def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
-    """Step (3), a hook on the loss: re-embed each mini-batch with a graph, back-propagate its cached gradient.
+    """Step (3), a hook on the loss: re-embed each mini-batch with a graph, back-propagate its cached gradients.
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
     gradient-accumulation divisor), so every mini-batch receives it. Under DDP only the last
@@ -209,16 +227,34 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
             with _sync_unless_last(replay.model, last=index == last):
                 features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
                 with state.replay():
-                    reps = replay.model(features)["sentence_embedding"]
-                if reps.requires_grad:
-                    grad = grads[0] if len(grads) == 1 else torch.cat(grads)
-                    _surrogate(reps, grad, grad_output).backward()
+                    outputs = replay.encoder(replay.model, features)
+                pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
+                if pairs:
+                    sum(_surrogate(out, grad) for out, grad in pairs).mul(grad_output).backward()
 
 
-def _surrogate(reps: Tensor, grad: Tensor, grad_output: Tensor) -> Tensor:
-    """A scalar whose gradient wrt ``reps`` is ``grad * grad_output``, computed in at least fp32."""
+def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:
+    """A scalar whose gradient wrt ``reps`` is ``grad``, computed in at least fp32."""
     dtype = torch.promote_types(torch.promote_types(reps.dtype, grad.dtype), torch.float32)
-    return torch.dot(reps.flatten().to(dtype), grad.flatten().to(dtype)) * grad_output
+    return torch.dot(reps.flatten().to(dtype), grad.flatten().to(dtype))
+
+
+def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor | None]]:
+    """``grads[mini_batch][output]``: each output's cached gradient for the mini-batch's rows, in its
+    segments' order; zeros for a segment that got no gradient, None for an output that got none."""
+    pieces = [[iter(column) for column in output] for output in outputs]
+    grads = []
+    for minibatch in plan.minibatches:
+        per_output = []
+        for columns in pieces:
+            reps = [next(columns[segment.column]) for segment in minibatch]
+            if all(rep.grad is None for rep in reps):
+                per_output.append(None)
+                continue
+            parts = [torch.zeros_like(rep) if rep.grad is None else rep.grad for rep in reps]
+            per_output.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        grads.append(per_output)
+    return grads
 
 
 def _checkpointed(model: nn.Module, on: bool):
@@ -236,14 +272,18 @@ def gradcache_forward(
     sentence_features: Iterable[Features],
     labels: Tensor | None,
     loss_fn: LossFn | None = None,
+    encoder: Encoder | None = None,
 ) -> Tensor:
     """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3); or, when one
     mini-batch holds the whole batch, the plain loss with its graph.
 
     ``loss_fn`` replaces ``loss.loss_from_embeddings`` when a wrapper (Matryoshka) computes the
-    loss over transformed embeddings; it follows the same contract.
+    loss over transformed embeddings; it follows the same contract. With an ``encoder`` (several
+    outputs per forward pass), ``loss_fn`` receives a list of :data:`Reps`, one per output.
     """
     loss_fn = loss_fn or loss.loss_from_embeddings
+    as_given = (lambda outputs: outputs) if encoder is not None else (lambda outputs: outputs[0])
+    encoder = encoder or sentence_embedding
     sentence_features = list(sentence_features)
     layouts = [layout_of(features) for features in sentence_features]
     show_progress_bar = getattr(loss, "show_progress_bar", False)
@@ -254,29 +294,65 @@ def gradcache_forward(
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and plan.single_pass:
             with _checkpointed(loss.model, batching.checkpointing):
-                reps, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False)
-            return loss_fn(reps, frozen, labels, with_backward=False)
+                outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
+            return loss_fn(as_given(outputs), frozen, labels, with_backward=False)
         with torch.no_grad():
-            reps, rng_states = embed_minibatches(
-                loss.model, sentence_features, plan, keep_rng=grad_enabled, show_progress_bar=show_progress_bar
+            outputs, rng_states = embed_minibatches(
+                loss.model,
+                sentence_features,
+                plan,
+                keep_rng=grad_enabled,
+                show_progress_bar=show_progress_bar,
+                encoder=encoder,
             )
         if not grad_enabled:
-            return loss_fn(reps, frozen, labels, with_backward=False)
+            return loss_fn(as_given(outputs), frozen, labels, with_backward=False)
 
-        reps = [[rep.detach().requires_grad_() for rep in column] for column in reps]
-        value = loss_fn(reps, frozen, labels, with_backward=True)
-    unused = [str(index) for index, column in enumerate(reps) if any(rep.grad is None for rep in column)]
+        outputs = [[[rep.detach().requires_grad_() for rep in column] for column in output] for output in outputs]
+        value = loss_fn(as_given(outputs), frozen, labels, with_backward=True)
+    unused = [str(index) for index, column in enumerate(outputs[0]) if any(rep.grad is None for rep in column)]
     if unused:
         raise ValueError(
             f"{type(loss).__name__} did not use input column(s) {', '.join(unused)}: their embeddings got no "
             "gradient. Remove the unused column(s) from the dataset."
         )
-    pieces = [iter(column) for column in reps]
-    grads = [[next(pieces[segment.column]).grad for segment in minibatch] for minibatch in plan.minibatches]
-    replay = ReplayPlan(loss.model, sentence_features, plan, rng_states, grads, show_progress_bar, batching.checkpointing)
+    replay = ReplayPlan(
+        loss.model,
+        sentence_features,
+        plan,
+        rng_states,
+        _output_grads(outputs, plan),
+        show_progress_bar,
+        batching.checkpointing,
+        encoder,
+    )
     result = value.detach().requires_grad_()
     result.register_hook(partial(replay_backward, replay=replay))
     return result
+
+
+def weighted_term(
+    loss_fn: LossFn, reps: Reps, frozen: Reps | None, labels: Tensor | None, weight: float, *, with_backward: bool
+) -> Tensor:
+    """``weight * loss_fn(reps)``, for a loss made of several weighted terms over embeddings.
+
+    With ``with_backward``, ``loss_fn`` back-propagates into leaves of its own, and ``weight`` times
+    their gradient is carried on into ``reps`` (into ``.grad`` of a leaf, or through the graph that
+    made ``reps``, e.g. a truncation); the value comes back detached.
+    """
+    if not with_backward:
+        return loss_fn(reps, frozen, labels, with_backward=False) * weight
+    leaves = [[rep.detach().requires_grad_() for rep in column] for column in reps]
+    value = loss_fn(leaves, frozen, labels, with_backward=True)
+    pairs = [
+        (rep, leaf.grad * weight)
+        for rep_column, leaf_column in zip(reps, leaves)
+        for rep, leaf in zip(rep_column, leaf_column)
+        if leaf.grad is not None
+    ]
+    if pairs:
+        torch.autograd.backward([rep for rep, _ in pairs], [grad for _, grad in pairs])
+    return value.detach() * weight
 
 
 def chunked_rows(batch_size: int, chunk_size: int) -> Iterator[tuple[int, int]]:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses
 from st_ext.losses._signatures import named_like_upstream
 from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
-from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward
+from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
 _upstream = st_losses()
 
@@ -81,20 +81,7 @@ def matryoshka_loss_from_embeddings(
     total = torch.zeros((), device=reps[0][0].device)
     for dim, weight in dims_weights:
         truncated = [[shrink(rep, dim) for rep in column] for column in reps]
-        if not with_backward:
-            total = total + weight * loss_fn(truncated, frozen, labels, with_backward=False)
-            continue
-        leaves = [[rep.detach().requires_grad_() for rep in column] for column in truncated]
-        value = loss_fn(leaves, frozen, labels, with_backward=True)
-        pairs = [
-            (out, leaf.grad * weight)
-            for out_column, leaf_column in zip(truncated, leaves)
-            for out, leaf in zip(out_column, leaf_column)
-            if leaf.grad is not None
-        ]
-        if pairs:
-            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        total = total + weight * value.detach()
+        total = total + weighted_term(loss_fn, truncated, frozen, labels, weight, with_backward=with_backward)
     return total
 
 

@@ -1,0 +1,254 @@
+"""Layer-wise GradCache: ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` over cached losses.
+
+Upstream's layer wrappers run the wrapped loss once per sampled layer on the hidden states of one
+forward pass with a graph, so their memory grows with the batch; over a cached loss they warn and
+the memory bound is lost (the loss's backward hook re-embeds after the wrapper is gone). Here, over
+a cached loss, the wrapper runs GradCache itself (:mod:`st_ext.losses.gradcache`):
+
+    (1) embed each mini-batch once without a graph, keeping the pooled embedding of every layer the
+        step uses (the sampled layers and the final one; :mod:`st_ext.losses.layer_embeddings`);
+    (2) compute the whole loss on those embeddings: the final layer's loss, each sampled layer's
+        loss (every Matryoshka dimension drawn for it), and the KL term between each sampled layer
+        and the final one, back-propagating each term to the embeddings as it goes;
+    (3) on ``loss.backward()``, re-embed one mini-batch at a time with a graph through the layers
+        it needs, under the RNG state of its first pass, and back-propagate the summed gradients of
+        all its layers at once.
+
+Peak memory is one mini-batch's graph plus embedding-sized buffers per layer used. Layers and
+dimensions are drawn from Python's ``random`` in upstream's order (the final layer's dimensions,
+then the layers, then each layer's dimensions), so a seeded run trains what upstream's would. Which
+hidden states upstream samples, how it weighs them and whether the KL teacher is detached depend on
+the installed release (:class:`st_ext._compat.AdaptiveLayerRules`) and are followed here.
+
+Over a loss that does not cache, both classes are upstream's, unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from st_ext._compat import AdaptiveLayerRules, st_losses
+from st_ext.losses._signatures import named_like_upstream, upstream_parameters
+from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Reps, gradcache_forward, weighted_term
+from st_ext.losses.layer_embeddings import LayerEmbeddings
+from st_ext.losses.matryoshka import MatryoshkaLoss, dims_for_step, matryoshka_loss_from_embeddings
+
+_upstream = st_losses()
+
+#: Stands in for a cached loss while upstream's constructor runs, so that it neither warns about nor
+#: inspects a loss that st_ext runs itself.
+_PLACEHOLDER_LOSS = nn.Module
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapped loss, over embeddings
+
+
+@dataclass(frozen=True)
+class LayerwiseInner:
+    """A wrapped loss that can run over cached embeddings: its mini-batch settings and frozen encoders
+    (``view``), and ``draw()``, which gives the loss over embeddings for one call, drawing whatever the
+    loss draws per call (a Matryoshka loss's dimensions)."""
+
+    view: CachedLoss
+    draw: Callable[[], LossFn]
+
+
+def layerwise_inner(loss: nn.Module) -> LayerwiseInner | None:
+    """``loss`` as a :class:`LayerwiseInner`, or None when it does not cache (upstream's wrapper then runs it)."""
+    if isinstance(loss, MatryoshkaLoss):
+        if not loss.uses_gradient_cache:
+            return None
+        view = cached_loss_view(loss.loss)
+
+        def draw_dims() -> LossFn:
+            dims_weights = dims_for_step(loss.matryoshka_dims, loss.matryoshka_weights, loss.n_dims_per_step)
+            return partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
+
+        return LayerwiseInner(view, draw_dims)
+    view = cached_loss_view(loss)
+    if view is None:
+        return None
+    return LayerwiseInner(view, lambda: view.loss_from_embeddings)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step: the layers drawn, and the loss over their embeddings
+
+
+def all_rows(reps: Reps) -> Tensor:
+    """Every column's rows, one column after the other (the order upstream collects them in)."""
+    return torch.cat([torch.cat(column) for column in reps])
+
+
+class LayerStep:
+    """What one forward pass of a layer-wise loss draws, and its loss over the cached embeddings.
+
+    ``choose`` is called by :class:`~st_ext.losses.layer_embeddings.LayerEmbeddings` on the first
+    forward pass; ``loss_from_layers`` is the ``loss_fn`` for :func:`gradcache_forward` and receives
+    ``[final layer's reps, first sampled layer's reps, …]``.
+    """
+
+    def __init__(self, wrapper: nn.Module, inner: LayerwiseInner) -> None:
+        self.wrapper = wrapper
+        self.inner = inner
+        self.final_fn: LossFn | None = None
+        #: (weight, loss over embeddings) per sampled layer, in the order drawn.
+        self.prior: list[tuple[float, LossFn]] = []
+
+    def choose(self, num_hidden_states: int) -> list[int]:
+        """Draw as upstream does: the final layer's call first, then the layers, then each layer's call."""
+        self.final_fn = self.inner.draw()
+        first = AdaptiveLayerRules.first_hidden_state
+        num_layers = num_hidden_states - first
+        indices = range(num_layers - 1)
+        if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
+            indices = random.sample(indices, self.wrapper.n_layers_per_step)
+        self.prior = [
+            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw()) for index in indices
+        ]
+        return [index + first for index in indices]
+
+    def loss_from_layers(
+        self, outputs: list[Reps], frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
+    ) -> Tensor:
+        wrapper = self.wrapper
+        final, layers = outputs[0], outputs[1:]
+        term = partial(weighted_term, frozen=frozen, labels=labels, with_backward=with_backward)
+        total = term(self.final_fn, final, weight=wrapper.last_layer_weight)
+        for (layer_weight, loss_fn), reps in zip(self.prior, layers):
+            total = total + term(loss_fn, reps, weight=layer_weight / len(layers) * wrapper.prior_layers_weight)
+        if layers and wrapper.kl_temperature > 0:
+            kl = self._kl_terms(final, layers)
+            if with_backward:
+                kl.backward()
+                kl = kl.detach()
+            total = total + kl
+        return total
+
+    def _kl_terms(self, final: Reps, layers: list[Reps]) -> Tensor:
+        """Upstream's self-distillation: each sampled layer's softened embeddings towards the final layer's."""
+        temperature = self.wrapper.kl_temperature
+        teacher = F.softmax(all_rows(final) / temperature, dim=-1)
+        if AdaptiveLayerRules.detached_teacher:
+            teacher = teacher.detach()
+        total = 0
+        for reps in layers:
+            student = F.log_softmax(all_rows(reps) / temperature, dim=-1)
+            total = total + F.kl_div(student, teacher, reduction="batchmean") * temperature * self.wrapper.kl_div_weight
+        return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The losses
+
+
+class LayerwiseGradCache:
+    """What both classes add to their upstream base: GradCache over layers when the wrapped loss caches."""
+
+    def _set_up(self, model: nn.Module, loss: nn.Module, arguments: dict[str, Any]) -> None:
+        _refuse_cross_batch_memory(type(self).__name__, loss)
+        inner = layerwise_inner(loss)
+        _upstream.AdaptiveLayerLoss.__init__(self, model, _PLACEHOLDER_LOSS() if inner else loss, **arguments)
+        self.loss = loss
+        self.uses_gradient_cache = inner is not None
+
+    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        inner = layerwise_inner(self.loss) if self.uses_gradient_cache else None
+        if inner is None:
+            return super().forward(sentence_features, labels)
+        step = LayerStep(self, inner)
+        return gradcache_forward(
+            inner.view, sentence_features, labels, step.loss_from_layers, encoder=LayerEmbeddings(step.choose)
+        )
+
+
+def _refuse_cross_batch_memory(wrapper: str, loss: nn.Module) -> None:
+    """Each layer would need its own queue of earlier steps' embeddings: not built yet, so refused rather
+    than run the way upstream runs a loss it cannot reach into (wrong gradients after a warning)."""
+    inner = loss.loss if isinstance(loss, MatryoshkaLoss) else loss
+    if isinstance(inner, CrossBatchMemoryLoss):
+        raise TypeError(
+            f"{wrapper} does not support CrossBatchMemoryLoss yet: its queue holds final-layer embeddings, which "
+            f"are no negatives for earlier layers. Wrap the {type(inner.loss).__name__} in {wrapper} without the "
+            "memory, or use the memory without layer-wise training."
+        )
+
+
+def _bound_arguments(upstream_class: type, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The constructor arguments by name, bound as the installed ``upstream_class`` binds them."""
+    signature = inspect.Signature(upstream_parameters(upstream_class))
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _with_upstream_signature(init: Callable, upstream_class: type) -> Callable:
+    signature = inspect.signature(upstream_class.__init__)
+    init.__signature__ = signature
+    init.__doc__ = upstream_class.__init__.__doc__
+    return init
+
+
+_ST_EXT_NOTE = (
+    "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
+    "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, or st_ext's ``MatryoshkaLoss`` "
+    "over one) the layers are cached too: memory is bounded by one mini-batch (see "
+    ":mod:`st_ext.losses.adaptive_layer`).\n"
+)
+
+
+@named_like_upstream(_upstream.AdaptiveLayerLoss)
+class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
+    __doc__ = (_upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or "") + _ST_EXT_NOTE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        arguments = _bound_arguments(_upstream.AdaptiveLayerLoss, args, kwargs)
+        self._set_up(arguments.pop("model"), arguments.pop("loss"), arguments)
+
+    __init__ = _with_upstream_signature(__init__, _upstream.AdaptiveLayerLoss)
+
+
+@named_like_upstream(_upstream.Matryoshka2dLoss)
+class Matryoshka2dLoss(LayerwiseGradCache, _upstream.Matryoshka2dLoss):
+    __doc__ = (_upstream.Matryoshka2dLoss.__doc__ or _upstream.Matryoshka2dLoss.__init__.__doc__ or "") + _ST_EXT_NOTE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        arguments = _bound_arguments(_upstream.Matryoshka2dLoss, args, kwargs)
+        model, loss = arguments.pop("model"), arguments.pop("loss")
+        matryoshka = MatryoshkaLoss(
+            model,
+            loss,
+            arguments.pop("matryoshka_dims"),
+            arguments.pop("matryoshka_weights"),
+            arguments.pop("n_dims_per_step"),
+        )
+        self._set_up(model, matryoshka, arguments)
+
+    __init__ = _with_upstream_signature(__init__, _upstream.Matryoshka2dLoss)
+
+
+def _refuse_wrapping(loss: nn.Module) -> None:
+    """A layer-wise loss over a cached loss computes its gradients in its own backward pass: no wrapper can
+    truncate or queue what it produces."""
+    if loss.uses_gradient_cache:
+        raise TypeError(
+            f"A {type(loss).__name__} over a cached loss cannot be wrapped: its gradients are computed in its own "
+            "backward pass. Put the other wrapper inside it (e.g. AdaptiveLayerLoss(model, MatryoshkaLoss(...))), "
+            "or use Matryoshka2dLoss."
+        )
+
+
+register_cached_loss(AdaptiveLayerLoss, _refuse_wrapping)
+register_cached_loss(Matryoshka2dLoss, _refuse_wrapping)
