@@ -14,6 +14,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # script -> (quick arguments, a line fragment the script prints when it has shown what it is for)
 QUICK_RUNS = {
     "cached_matryoshka.py": (["--max-steps", "1", "--batch-size", "16"], "peak memory of one step"),
+    "cached_matryoshka_2d.py": (["--max-steps", "1", "--batch-size", "16"], "NDCG@10 on"),
     "cached_gist_guide.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
     "cross_encoder_checkpointing.py": (["--max-steps", "1"], "activation memory"),
     "distillation_teacher.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),

@@ -17,8 +17,8 @@ dimensions, and of the batch size apart from the embeddings themselves.
 
 Every other loss runs through upstream's own implementation, unchanged, and so do the argument
 checks and warnings of the installed release: a swapped import behaves as upstream wherever st_ext
-adds nothing. ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` are upstream's classes (see
-:mod:`st_ext.losses`).
+adds nothing. ``Matryoshka2dLoss`` and ``AdaptiveLayerLoss`` over a cached loss run GradCache over
+layers (:mod:`st_ext.losses.adaptive_layer`), drawing each layer's dimensions here.
 """
 
 from __future__ import annotations
