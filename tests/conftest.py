@@ -40,6 +40,12 @@ def tiny_bert_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_bert4_dir(tmp_path_factory):
+    """A 4-layer tiny BERT: enough layers for a layer-wise loss to sample from."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert4"), num_layers=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_bert6_dir(tmp_path_factory):
     """A 6-layer tiny BERT encoder, deep enough for checkpointing to show in memory."""
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert6"), num_layers=6, hidden_size=64)
@@ -55,6 +61,12 @@ def guide_dir(tmp_path_factory):
 def deep_model(tiny_bert6_dir):
     """A SentenceTransformer over the 6-layer tiny BERT, in training mode, shared by a module's memory tests."""
     return sentence_transformer_from(tiny_bert6_dir).train()
+
+
+@pytest.fixture
+def model4(tiny_bert4_dir):
+    """A fresh SentenceTransformer over the 4-layer tiny BERT."""
+    return sentence_transformer_from(tiny_bert4_dir)
 
 
 @pytest.fixture

@@ -113,6 +113,18 @@ def matryoshka_cmnrl(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Modu
     return build
 
 
+def matryoshka_2d_cmnrl(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+    """Every layer and dimension, so that no rank draws differently from the reference."""
+
+    def build(model: nn.Module, guide: nn.Module) -> nn.Module:
+        from st_ext import losses
+
+        inner = cached_mnrl(model, gathered)
+        return losses.Matryoshka2dLoss(model, inner, MATRYOSHKA_DIMS, n_layers_per_step=-1, n_dims_per_step=-1)
+
+    return build
+
+
 def cached_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
     def build(model: nn.Module, guide: nn.Module) -> nn.Module:
         from st_ext import losses
@@ -154,6 +166,8 @@ CASES: dict[str, LossCase] = {
     "matryoshka_cmnrl": LossCase(matryoshka_cmnrl(gathered=False)),
     "matryoshka_cmnrl_gathered": LossCase(matryoshka_cmnrl(gathered=True), gathered=True),
     "matryoshka_cmnrl_checkpointed": LossCase(matryoshka_cmnrl(gathered=False), checkpointing=True),
+    "matryoshka_2d_cmnrl": LossCase(matryoshka_2d_cmnrl(gathered=False)),
+    "matryoshka_2d_cmnrl_gathered": LossCase(matryoshka_2d_cmnrl(gathered=True), gathered=True),
     "cached_gist": LossCase(cached_gist(gathered=False)),
     "cached_gist_gathered": LossCase(cached_gist(gathered=True), gathered=True),
     "cross_batch_memory": LossCase(cross_batch_memory, steps=2),

@@ -28,7 +28,6 @@ from loss_checks import (
     peak_training_bytes,
     text_columns,
 )
-from tiny_models import save_tiny_bert, sentence_transformer_from
 
 upstream = st_losses()
 BATCH = 8
@@ -38,17 +37,6 @@ HAS_LAYER_WEIGHTING = "layer_weighting" in inspect.signature(upstream.AdaptiveLa
 # Dropout off with several mini-batches checks the caching of every layer; dropout on with one
 # mini-batch checks that every layer comes from the same forward pass as the final one.
 SETTINGS = [pytest.param(False, 3, id="eval-3-minibatches"), pytest.param(True, BATCH, id="dropout")]
-
-
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory):
-    """A 4-layer tiny BERT: enough layers for sampling to choose."""
-    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert4"), num_layers=4)
-
-
-@pytest.fixture
-def model4(deep_dir):
-    return sentence_transformer_from(deep_dir)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +118,17 @@ def test_symmetric_cached_loss_matches_upstream_non_cached(model4):
     ours = losses.Matryoshka2dLoss(model4, cached_inner, DIMS, n_layers_per_step=2)
     reference = upstream.Matryoshka2dLoss(model4, plain_inner, DIMS, n_layers_per_step=2)
     assert_losses_agree(model4, ours, reference, columns, train=False)
+
+
+@pytest.mark.parametrize("budget", [None, 40.0], ids=["no-budget", "budget"])
+def test_auto_mini_batches_under_a_layer_wise_loss(model4, budget):
+    """``mini_batch_size="auto"`` sizes the mini-batches of the wrapped loss; the values stay upstream's."""
+    columns = text_columns(BATCH, 2, min_words=10, max_words=16)
+    inner = losses.CachedMultipleNegativesRankingLoss(model4, mini_batch_size="auto", memory_budget_mb=budget)
+    ours = losses.Matryoshka2dLoss(model4, inner, DIMS, n_layers_per_step=-1)
+    reference = upstream.Matryoshka2dLoss(model4, upstream.MultipleNegativesRankingLoss(model4), DIMS, n_layers_per_step=-1)
+    assert_losses_agree(model4, ours, reference, columns, train=False)
+    assert inner.auto_mini_batch.choice is not None
 
 
 def test_plain_losses_run_upstreams_implementation(model4):
@@ -216,9 +215,3 @@ def test_a_cached_layer_wise_loss_cannot_be_wrapped(model4):
     inner = losses.CachedMultipleNegativesRankingLoss(model4, mini_batch_size=4)
     with pytest.raises(TypeError, match=r"cannot be wrapped.*Matryoshka2dLoss"):
         losses.MatryoshkaLoss(model4, losses.AdaptiveLayerLoss(model4, inner), DIMS)
-
-
-def test_cross_batch_memory_is_refused_with_a_pointer(model4):
-    memory = losses.CrossBatchMemoryLoss(model4, losses.CachedMultipleNegativesRankingLoss(model4, mini_batch_size=4))
-    with pytest.raises(TypeError, match="CrossBatchMemoryLoss"):
-        losses.AdaptiveLayerLoss(model4, memory)

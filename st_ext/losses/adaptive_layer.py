@@ -20,7 +20,9 @@ then the layers, then each layer's dimensions), so a seeded run trains what upst
 hidden states upstream samples, how it weighs them and whether the KL teacher is detached depend on
 the installed release (:class:`st_ext._compat.AdaptiveLayerRules`) and are followed here.
 
-Over a loss that does not cache, both classes are upstream's, unchanged.
+Over ``CrossBatchMemoryLoss`` (around a cached ranking loss) each layer ranks against its own queue
+of that layer's embeddings from earlier steps (:mod:`st_ext.losses.layerwise_inner`). Over a loss
+that does not cache, both classes are upstream's, unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,49 +39,18 @@ from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
 from st_ext.losses._signatures import named_like_upstream, upstream_parameters
-from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
+from st_ext.losses.cached_adapters import register_cached_loss
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
-from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Reps, gradcache_forward, weighted_term
+from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
-from st_ext.losses.matryoshka import MatryoshkaLoss, dims_for_step, matryoshka_loss_from_embeddings
+from st_ext.losses.layerwise_inner import LayerwiseInner, layerwise_inner, runs_layerwise
+from st_ext.losses.matryoshka import MatryoshkaLoss
 
 _upstream = st_losses()
 
 #: Stands in for a cached loss while upstream's constructor runs, so that it neither warns about nor
 #: inspects a loss that st_ext runs itself.
 _PLACEHOLDER_LOSS = nn.Module
-
-
-# ---------------------------------------------------------------------------------------------
-# The wrapped loss, over embeddings
-
-
-@dataclass(frozen=True)
-class LayerwiseInner:
-    """A wrapped loss that can run over cached embeddings: its mini-batch settings and frozen encoders
-    (``view``), and ``draw()``, which gives the loss over embeddings for one call, drawing whatever the
-    loss draws per call (a Matryoshka loss's dimensions)."""
-
-    view: CachedLoss
-    draw: Callable[[], LossFn]
-
-
-def layerwise_inner(loss: nn.Module) -> LayerwiseInner | None:
-    """``loss`` as a :class:`LayerwiseInner`, or None when it does not cache (upstream's wrapper then runs it)."""
-    if isinstance(loss, MatryoshkaLoss):
-        if not loss.uses_gradient_cache:
-            return None
-        view = cached_loss_view(loss.loss)
-
-        def draw_dims() -> LossFn:
-            dims_weights = dims_for_step(loss.matryoshka_dims, loss.matryoshka_weights, loss.n_dims_per_step)
-            return partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
-
-        return LayerwiseInner(view, draw_dims)
-    view = cached_loss_view(loss)
-    if view is None:
-        return None
-    return LayerwiseInner(view, lambda: view.loss_from_embeddings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,21 +74,24 @@ class LayerStep:
         self.wrapper = wrapper
         self.inner = inner
         self.final_fn: LossFn | None = None
-        #: (weight, loss over embeddings) per sampled layer, in the order drawn.
+        #: The sampled layers' hidden-state indices, and their (weight, loss over embeddings), in the order drawn.
+        self.layers: list[int] = []
         self.prior: list[tuple[float, LossFn]] = []
 
     def choose(self, num_hidden_states: int) -> list[int]:
         """Draw as upstream does: the final layer's call first, then the layers, then each layer's call."""
-        self.final_fn = self.inner.draw()
+        self.final_fn = self.inner.draw(None)
         first = AdaptiveLayerRules.first_hidden_state
         num_layers = num_hidden_states - first
         indices = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
+        self.layers = [index + first for index in indices]
         self.prior = [
-            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw()) for index in indices
+            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw(index + first))
+            for index in indices
         ]
-        return [index + first for index in indices]
+        return self.layers
 
     def loss_from_layers(
         self, outputs: list[Reps], frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
@@ -135,6 +108,7 @@ class LayerStep:
                 kl.backward()
                 kl = kl.detach()
             total = total + kl
+        self.inner.finish([None, *self.layers], outputs)
         return total
 
     def _kl_terms(self, final: Reps, layers: list[Reps]) -> Tensor:
@@ -158,16 +132,18 @@ class LayerwiseGradCache:
     """What both classes add to their upstream base: GradCache over layers when the wrapped loss caches."""
 
     def _set_up(self, model: nn.Module, loss: nn.Module, arguments: dict[str, Any]) -> None:
-        _refuse_cross_batch_memory(type(self).__name__, loss)
-        inner = layerwise_inner(loss)
-        _upstream.AdaptiveLayerLoss.__init__(self, model, _PLACEHOLDER_LOSS() if inner else loss, **arguments)
+        layerwise = runs_layerwise(loss)
+        if not layerwise:
+            _refuse_cross_batch_memory(type(self).__name__, loss)
+        _upstream.AdaptiveLayerLoss.__init__(self, model, _PLACEHOLDER_LOSS() if layerwise else loss, **arguments)
         self.loss = loss
-        self.uses_gradient_cache = inner is not None
+        self.uses_gradient_cache = layerwise
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        inner = layerwise_inner(self.loss) if self.uses_gradient_cache else None
-        if inner is None:
+        if not self.uses_gradient_cache:
             return super().forward(sentence_features, labels)
+        sentence_features = list(sentence_features)
+        inner = layerwise_inner(self.loss, sentence_features)
         step = LayerStep(self, inner)
         return gradcache_forward(
             inner.view, sentence_features, labels, step.loss_from_layers, encoder=LayerEmbeddings(step.choose)
@@ -175,14 +151,14 @@ class LayerwiseGradCache:
 
 
 def _refuse_cross_batch_memory(wrapper: str, loss: nn.Module) -> None:
-    """Each layer would need its own queue of earlier steps' embeddings: not built yet, so refused rather
-    than run the way upstream runs a loss it cannot reach into (wrong gradients after a warning)."""
+    """Upstream's wrapper would run the memory once per layer, queueing every layer's embeddings into one
+    queue: refused rather than trained that way."""
     inner = loss.loss if isinstance(loss, MatryoshkaLoss) else loss
     if isinstance(inner, CrossBatchMemoryLoss):
         raise TypeError(
-            f"{wrapper} does not support CrossBatchMemoryLoss yet: its queue holds final-layer embeddings, which "
-            f"are no negatives for earlier layers. Wrap the {type(inner.loss).__name__} in {wrapper} without the "
-            "memory, or use the memory without layer-wise training."
+            f"{wrapper} supports CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (each layer gets "
+            f"its own queue), not over {type(inner.loss).__name__}. For MultipleNegativesRankingLoss use "
+            "CachedMultipleNegativesRankingLoss; with mini_batch_size at least the batch size it runs in one pass."
         )
 
 
@@ -203,9 +179,9 @@ def _with_upstream_signature(init: Callable, upstream_class: type) -> Callable:
 
 _ST_EXT_NOTE = (
     "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
-    "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, or st_ext's ``MatryoshkaLoss`` "
-    "over one) the layers are cached too: memory is bounded by one mini-batch (see "
-    ":mod:`st_ext.losses.adaptive_layer`).\n"
+    "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
+    "cached ranking loss, or st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
+    "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`).\n"
 )
 
 

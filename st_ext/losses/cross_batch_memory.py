@@ -254,19 +254,33 @@ def check_ranking_options(loss: nn.Module) -> None:
         )
 
 
-def ranking_step(
-    loss: nn.Module, model: nn.Module, sentence_features: list[Features], bank: MemoryBank, mask_own_positive: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss value, documents to enqueue, their keys) for MNRL or cached MNRL with the queue."""
+def check_ranking_columns(loss: nn.Module, sentence_features: list[Features]) -> None:
     if len(sentence_features) < 2:
         raise ValueError(
             f"{type(loss).__name__} needs (anchor, positive, negative_1, ...) columns, got {len(sentence_features)} column(s)."
         )
+
+
+#: Turns a loss over embeddings into another (a MatryoshkaLoss around the memory truncates with one).
+LossTransform = Callable[[Callable[..., Tensor]], Callable[..., Tensor]]
+
+
+def ranking_step(
+    loss: nn.Module,
+    model: nn.Module,
+    sentence_features: list[Features],
+    bank: MemoryBank,
+    mask_own_positive: bool,
+    transform: LossTransform | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss value, documents to enqueue, their keys) for MNRL or cached MNRL with the queue; ``transform``
+    applies to the cached loss's loss over embeddings."""
+    check_ranking_columns(loss, sentence_features)
     keys = [document_keys(features) for features in sentence_features[1:]]
     positive_keys = keys[0] if mask_own_positive else None
     settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
     if is_gradient_caching(loss):
-        value, documents = cached_ranking_step(loss, sentence_features, bank, positive_keys, settings)
+        value, documents = cached_ranking_step(loss, sentence_features, bank, positive_keys, settings, transform)
     else:
         embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
         memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
@@ -283,41 +297,67 @@ def ranking_step(
     return value, documents, torch.cat(keys).to(documents.device)
 
 
+def memory_ranking_fn(
+    bank: MemoryBank, positive_keys: Tensor | None, view: Any, settings: dict[str, Any]
+) -> Callable[..., Tensor]:
+    """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates (GradCache's
+    loss-over-embeddings contract). A queue wider than the batch's embeddings (a Matryoshka dimension of a
+    layer-wise loss) is truncated and re-normalised as the batch's embeddings were."""
+
+    def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        dim = reps[0][0].shape[-1]
+        queue = bank
+        if bank.rows and bank.embeddings.shape[-1] > dim:
+            queue = MemoryBank(F.normalize(bank.embeddings[:, :dim], p=2, dim=-1), bank.labels)
+        memory_embeddings, memory_keys = memory_like(queue, reps[0][0])
+        return ranking_loss(
+            reps,
+            memory_embeddings,
+            memory_keys,
+            positive_keys,
+            chunk_size=view.mini_batch_size,
+            with_backward=with_backward,
+            show_progress_bar=view.show_progress_bar,
+            **settings,
+        )
+
+    return loss_with_memory
+
+
 def cached_ranking_step(
     loss: nn.Module,
     sentence_features: list[Features],
     bank: MemoryBank,
     positive_keys: Tensor | None,
     settings: dict[str, Any],
+    transform: LossTransform | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GradCache with the queue inside the loss over embeddings; also returns the no-grad documents.
 
     The documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the
     gradients were computed for. The model and mini-batch settings are the wrapped loss's, read
     through its registered adapter (:mod:`st_ext.losses.cached_adapters`); the loss over embeddings
-    is the queue-aware one below, not the wrapped loss's own.
+    is the queue-aware one above, not the wrapped loss's own.
     """
     run = cached_loss_view(loss)
     if run is None:
         raise TypeError(f"{type(loss).__name__} has no cached-loss adapter; see st_ext.losses.cached_adapters.")
     documents: list[Tensor] = []
+    with_memory = memory_ranking_fn(bank, positive_keys, run, settings)
+    if transform is not None:
+        with_memory = transform(with_memory)
 
     def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-        memory_embeddings, memory_keys = memory_like(bank, reps[0][0])
-        documents.append(torch.cat([torch.cat(column) for column in reps[1:]]).detach())
-        return ranking_loss(
-            reps,
-            memory_embeddings,
-            memory_keys,
-            positive_keys,
-            chunk_size=run.mini_batch_size,
-            with_backward=with_backward,
-            show_progress_bar=run.show_progress_bar,
-            **settings,
-        )
+        documents.append(document_rows(reps))
+        return with_memory(reps, frozen, labels, with_backward=with_backward)
 
     value = gradcache_forward(run, sentence_features, None, loss_with_memory)
     return value, documents[-1]
+
+
+def document_rows(reps: Reps) -> Tensor:
+    """The documents of a ranking batch (every column after the anchors), detached, as the queue keeps them."""
+    return torch.cat([torch.cat(column) for column in reps[1:]]).detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,18 +458,41 @@ class CrossBatchMemoryLoss(nn.Module):
         self.mask_own_positive = mask_own_positive
         self.uses_gradient_cache = is_gradient_caching(loss)
         self.memory = MemoryBank()
+        #: Queues of earlier layers' embeddings, by hidden-state index, filled when a layer-wise loss
+        #: (:mod:`st_ext.losses.adaptive_layer`) trains that layer: each layer ranks against its own queue.
+        self.layer_memory: dict[int, MemoryBank] = {}
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+        return self.transformed_forward(sentence_features, labels)
+
+    def transformed_forward(
+        self, sentence_features: Iterable[Features], labels: Tensor | None = None, transform: LossTransform | None = None
+    ) -> Tensor:
+        """The forward pass, with the cached ranking loss over embeddings passed through ``transform``."""
         sentence_features = list(sentence_features)
         training = torch.is_grad_enabled()
         bank = self.memory if training else MemoryBank()
         if self.kind == "ranking":
-            value, rows, row_labels = ranking_step(self.loss, self.model, sentence_features, bank, self.mask_own_positive)
+            value, rows, row_labels = ranking_step(
+                self.loss, self.model, sentence_features, bank, self.mask_own_positive, transform
+            )
         else:
             value, rows, row_labels = triplet_step(self.loss, self.model, sentence_features, labels, bank)
         if training:
-            self.memory = enqueue(self.memory, gather_from_ranks(rows), gather_from_ranks(row_labels), self.memory_size)
+            self.push(None, rows, row_labels)
         return value
+
+    def bank(self, layer: int | None) -> MemoryBank:
+        """The queue of ``layer`` (a hidden-state index), or of the model's output for None."""
+        return self.memory if layer is None else self.layer_memory.get(layer, MemoryBank())
+
+    def push(self, layer: int | None, rows: Tensor, row_labels: Tensor) -> None:
+        """Enqueue this step's rows (every rank's, under DDP) into ``layer``'s queue."""
+        bank = enqueue(self.bank(layer), gather_from_ranks(rows), gather_from_ranks(row_labels), self.memory_size)
+        if layer is None:
+            self.memory = bank
+        else:
+            self.layer_memory[layer] = bank
 
     @property
     def memory_embeddings(self) -> Tensor | None:
@@ -443,35 +506,36 @@ class CrossBatchMemoryLoss(nn.Module):
 
     def reset_memory(self) -> None:
         self.memory = MemoryBank()
+        self.layer_memory = {}
 
     def memory_state(self) -> dict[str, Any]:
-        """The queue as CPU tensors, for ``torch.save``; :meth:`load_memory_state` restores it as it was."""
-        bank = self.memory
-        return {
-            "format": MEMORY_STATE_FORMAT,
-            "memory_size": self.memory_size,
-            "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
-            "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
-        }
+        """The queues as CPU tensors, for ``torch.save``; :meth:`load_memory_state` restores them as they were."""
+        state = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **_bank_state(self.memory)}
+        if self.layer_memory:
+            state["layers"] = {layer: _bank_state(bank) for layer, bank in sorted(self.layer_memory.items())}
+        return state
 
     def load_memory_state(self, state: dict[str, Any]) -> None:
-        """Restore a queue saved by :meth:`memory_state` (the newest ``memory_size`` rows if it was larger).
-
-        It moves to the training device at the next step.
+        """Restore the queues saved by :meth:`memory_state` (the newest ``memory_size`` rows of each if they were
+        larger). They move to the training device at the next step.
         """
         if not isinstance(state, dict) or state.get("format") != MEMORY_STATE_FORMAT:
             raise ValueError(
                 f"Not a cross-batch memory state (format {MEMORY_STATE_FORMAT}); pass what memory_state() returned."
             )
+        self.memory = self._restored_bank(state)
+        layers = state.get("layers", {})
+        self.layer_memory = {int(layer): self._restored_bank(layer_state) for layer, layer_state in layers.items()}
+
+    def _restored_bank(self, state: dict[str, Any]) -> MemoryBank:
         embeddings, labels = state["embeddings"], state["labels"]
         if embeddings is None:
-            self.memory = MemoryBank()
-            return
+            return MemoryBank()
         if embeddings.ndim != 2 or labels is None or labels.shape != (len(embeddings),):
             raise ValueError(
                 "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
             )
-        self.memory = enqueue(MemoryBank(), embeddings, labels, self.memory_size)
+        return enqueue(MemoryBank(), embeddings, labels, self.memory_size)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
@@ -483,6 +547,13 @@ class CrossBatchMemoryLoss(nn.Module):
     @property
     def citation(self) -> str:
         return XBM_CITATION + getattr(self.loss, "citation", "")
+
+
+def _bank_state(bank: MemoryBank) -> dict[str, Tensor | None]:
+    return {
+        "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
+        "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
+    }
 
 
 def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module]:

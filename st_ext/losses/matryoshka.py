@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses
 from st_ext.losses._signatures import named_like_upstream
 from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
 _upstream = st_losses()
@@ -107,7 +108,8 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
       ``CachedGISTEmbedLoss``, upstream's or st_ext's, and on 5.7+ every loss built on upstream's
       GradCache base such as ``MegaBatchMarginLoss``; every loss registered in
       :mod:`st_ext.losses.cached_adapters`): GradCache runs here (see the module
-      docstring). Peak memory does not grow with the number of dimensions; the wrapped instance
+      docstring). ``CrossBatchMemoryLoss`` over a cached ranking loss too: its queue of full-size
+      embeddings is truncated and re-normalised with the batch at every dimension. Peak memory does not grow with the number of dimensions; the wrapped instance
       can be wrapped again or used bare; ``n_dims_per_step`` is honoured (4.x's upstream ignores
       it for cached losses).
     * Every other loss: upstream's implementation, unchanged.
@@ -157,22 +159,33 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
     ) -> None:
-        view = cached_loss_view(loss)
-        if view is None:
+        caches = cached_loss_view(loss) is not None or _is_cached_memory(loss)
+        if not caches:
             super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         else:
             # Upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
             super().__init__(model, _PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
             self.loss = loss
-        self.uses_gradient_cache = view is not None
+        self.uses_gradient_cache = caches
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        view = cached_loss_view(self.loss) if self.uses_gradient_cache else None
-        if view is None:
+        if not self.uses_gradient_cache:
             return super().forward(sentence_features, labels)
         dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
+        if isinstance(self.loss, CrossBatchMemoryLoss):
+            return self.loss.transformed_forward(
+                sentence_features,
+                labels,
+                lambda loss_fn: partial(matryoshka_loss_from_embeddings, loss_fn, dims_weights=dims_weights),
+            )
+        view = cached_loss_view(self.loss)
         loss_fn = partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
         return gradcache_forward(view, sentence_features, labels, loss_fn)
+
+
+def _is_cached_memory(loss: nn.Module) -> bool:
+    """A cross-batch memory around a cached ranking loss: its queue is truncated with the batch at every dimension."""
+    return isinstance(loss, CrossBatchMemoryLoss) and loss.kind == "ranking" and loss.uses_gradient_cache
 
 
 def _refuse_nested_cached(loss: MatryoshkaLoss) -> None:

@@ -1,0 +1,109 @@
+"""The loss a layer-wise wrapper trains at every layer, as a loss over cached embeddings.
+
+:mod:`st_ext.losses.adaptive_layer` computes the wrapped loss once for the final layer and once for
+each sampled layer, on embeddings GradCache cached. What that takes depends on the wrapped loss:
+
+* a cached loss (any with a :func:`~st_ext.losses.cached_adapters.cached_loss_view`): its loss over
+  embeddings, the same at every layer;
+* st_ext's ``MatryoshkaLoss`` over one of these: the same, at dimensions drawn anew for every layer,
+  as upstream's ``Matryoshka2dLoss`` draws them;
+* ``CrossBatchMemoryLoss`` over a cached ranking loss: each layer ranks against its own queue of
+  earlier steps' embeddings of that layer (the final layer against the usual one), and after the
+  step each layer's documents join its queue. One queue for all layers would put final-layer
+  embeddings among an earlier layer's candidates: another embedding space, negatives in name only.
+
+Anything else is left to upstream's wrapper (:func:`runs_layerwise` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch import nn
+
+from st_ext.losses.cached_adapters import cached_loss_view
+from st_ext.losses.cross_batch_memory import (
+    CrossBatchMemoryLoss,
+    MemoryBank,
+    check_ranking_columns,
+    document_keys,
+    document_rows,
+    memory_ranking_fn,
+)
+from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Reps
+from st_ext.losses.matryoshka import MatryoshkaLoss, dims_for_step, matryoshka_loss_from_embeddings
+
+def _no_finish(layers: list, outputs: list[Reps]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LayerwiseInner:
+    """The wrapped loss for one forward pass: its mini-batch settings and frozen encoders (``view``);
+    ``draw(layer)``, the loss over embeddings for that layer's call (``layer``: a hidden-state index, None
+    for the model's output), drawing what the loss draws per call; and ``finish(layers, outputs)``,
+    called with every layer's cached embeddings once the step's loss is computed."""
+
+    view: CachedLoss
+    draw: Callable[[int | None], LossFn]
+    finish: Callable[[list, list[Reps]], None] = _no_finish
+
+
+def _parts(loss: nn.Module) -> tuple[MatryoshkaLoss | None, nn.Module]:
+    """(the MatryoshkaLoss around the loss, if any; the loss inside it)."""
+    if isinstance(loss, MatryoshkaLoss):
+        return loss, loss.loss
+    return None, loss
+
+
+def runs_layerwise(loss: nn.Module) -> bool:
+    """Whether st_ext caches the layers of a layer-wise wrapper around ``loss``."""
+    matryoshka, base = _parts(loss)
+    if isinstance(base, CrossBatchMemoryLoss):
+        return base.kind == "ranking" and base.uses_gradient_cache
+    if matryoshka is not None and not matryoshka.uses_gradient_cache:
+        return False
+    return cached_loss_view(base) is not None
+
+
+def layerwise_inner(loss: nn.Module, sentence_features: list[Features]) -> LayerwiseInner:
+    """``loss`` for one forward pass over ``sentence_features``; only for a loss that :func:`runs_layerwise`."""
+    matryoshka, base = _parts(loss)
+    if isinstance(base, CrossBatchMemoryLoss):
+        inner = _with_memory(base, sentence_features)
+    else:
+        view = cached_loss_view(base)
+        inner = LayerwiseInner(view, lambda layer: view.loss_from_embeddings)
+    if matryoshka is None:
+        return inner
+
+    def draw_dims(layer: int | None) -> LossFn:
+        loss_fn = inner.draw(layer)
+        dims_weights = dims_for_step(matryoshka.matryoshka_dims, matryoshka.matryoshka_weights, matryoshka.n_dims_per_step)
+        return partial(matryoshka_loss_from_embeddings, loss_fn, dims_weights=dims_weights)
+
+    return replace(inner, draw=draw_dims)
+
+
+def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features]) -> LayerwiseInner:
+    check_ranking_columns(memory.loss, sentence_features)
+    view = cached_loss_view(memory.loss)
+    training = torch.is_grad_enabled()
+    keys = [document_keys(features) for features in sentence_features[1:]]
+    positive_keys = keys[0] if memory.mask_own_positive else None
+    settings = {"scale": memory.loss.scale, "similarity_fct": memory.loss.similarity_fct}
+
+    def draw(layer: int | None) -> LossFn:
+        return memory_ranking_fn(memory.bank(layer) if training else MemoryBank(), positive_keys, view, settings)
+
+    def finish(layers: list, outputs: list[Reps]) -> None:
+        if not training:
+            return
+        for layer, reps in zip(layers, outputs):
+            documents = document_rows(reps)
+            memory.push(layer, documents, torch.cat(keys).to(documents.device))
+
+    return LayerwiseInner(view, draw, finish)
