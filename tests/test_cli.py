@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -85,10 +86,12 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--max-seq-length", "0"], "max_seq_length: 0 is out of range; use 1 or more tokens"),
         (["--learning-rate", "-0.001"], "learning_rate: -0.001 is out of range; use a number above 0"),
         (["--seed", "-1"], "seed: -1 is out of range; use 0 or more"),
+        (["--output-dir", "__FILE__/run"], "is a file, not a directory; pass a directory for the results"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")
+    change = [value.replace("__FILE__", str(pairs_file)) for value in change]
     for flag, value in zip(change[::2], change[1::2]):
         if flag in args:
             args[args.index(flag) + 1] = value
@@ -139,6 +142,14 @@ def test_list_losses(capsys):
     assert main(["train", "--list-losses"]) == 0
     names = capsys.readouterr().out.split()
     assert "matryoshka_cached_gist" in names and "cached_mnrl" in names
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_output_dir_is_refused_before_training(tiny_bert_dir, pairs_file, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(tiny_run_args(tiny_bert_dir, pairs_file, locked / "run")) == EXIT_BAD_INPUT
+    assert "is not writable" in capsys.readouterr().err
 
 
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):

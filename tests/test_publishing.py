@@ -1,35 +1,45 @@
-"""Publishing the CLI's model: a kill at any step of the swap leaves the old or the new model whole,
-and the next run finishes or rolls back what it finds."""
+"""Publishing a run's results: a kill at any step, or a write that fails, leaves one whole run in the
+output directory (never a mix), and the next run finishes or rolls back what it finds."""
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+
 import pytest
 
-from st_ext.cli import publishing
+from st_ext.cli import EXIT_BAD_INPUT, main, publishing
 
 STEPS = ["marked", "moved aside", "moved in"]
+RESULTS = ("model", "metrics.json", "ndcg_by_dim.png")
 
 
 class Killed(BaseException):
     """Stands in for SIGKILL: nothing after the fault point runs."""
 
 
-def write_model(folder, content: str):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "weights.bin").write_text(content)
-    (folder / "config.json").write_text("{}")
+def write_run(folder, content: str) -> None:
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    (folder / "model" / "weights.bin").write_text(content)
+    (folder / "metrics.json").write_text(content)
+    (folder / "ndcg_by_dim.png").write_text(content)
 
 
-def contents(folder) -> str:
-    return (folder / "weights.bin").read_text()
+def run_contents(folder) -> set[str]:
+    """Which run each result comes from: one element when the results are one run's."""
+    return {(folder / "model" / "weights.bin").read_text(), (folder / "metrics.json").read_text(), (folder / "ndcg_by_dim.png").read_text()}
+
+
+def visible(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 @pytest.mark.parametrize("step", STEPS)
-def test_a_kill_during_the_swap_leaves_a_whole_model_after_recovery(tmp_path, monkeypatch, step):
-    target = tmp_path / "model"
-    write_model(target, "old")
-    staging = publishing.staging_folder(target)
-    write_model(staging, "new")
+def test_a_kill_during_the_swap_leaves_one_whole_run_after_recovery(tmp_path, monkeypatch, step):
+    write_run(tmp_path, "old")
+    staging = publishing.staging_folder(tmp_path)
+    write_run(staging, "new")
 
     def kill_at(reached):
         if reached == step:
@@ -37,41 +47,74 @@ def test_a_kill_during_the_swap_leaves_a_whole_model_after_recovery(tmp_path, mo
 
     monkeypatch.setattr(publishing, "fault_point", kill_at)
     with pytest.raises(Killed):
-        publishing.publish(staging, target)
+        publishing.publish(staging, tmp_path)
     monkeypatch.setattr(publishing, "fault_point", lambda reached: None)
 
-    done = publishing.recover(target)
-    assert contents(target) == "new", done  # the new model was complete at every step: the swap is finished
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "nothing hidden is left behind"
-    assert not (target / publishing.COMPLETE_MARK).exists()
+    done = publishing.recover(tmp_path)
+    assert run_contents(tmp_path) == {"new"}, done  # the new run was complete at every step: it is finished
+    assert visible(tmp_path) == sorted(RESULTS), "nothing hidden is left behind"
 
 
-def test_an_unfinished_staging_folder_is_deleted_and_the_old_model_kept(tmp_path):
-    target = tmp_path / "model"
-    write_model(target, "old")
-    staging = publishing.staging_folder(target)
-    write_model(staging, "half")  # never marked complete: the run died while saving
-    assert publishing.recover(target) == [f"deleted the unfinished {staging.name}"]
-    assert contents(target) == "old" and not staging.exists()
+def test_an_unfinished_staging_folder_is_deleted_and_the_old_run_kept(tmp_path):
+    write_run(tmp_path, "old")
+    staging = publishing.staging_folder(tmp_path)
+    write_run(staging, "half")  # never marked complete: the run died while writing
+    assert publishing.recover(tmp_path) == [f"deleted the unfinished {staging.name}"]
+    assert run_contents(tmp_path) == {"old"} and not staging.exists()
 
 
-def test_a_swap_stopped_before_a_complete_model_existed_rolls_back(tmp_path):
-    target = tmp_path / "model"
-    write_model(publishing.aside(target), "old")  # moved aside, then the run died with nothing complete
-    assert "restored the previous" in publishing.recover(target)[0]
-    assert contents(target) == "old"
+def test_results_moved_aside_without_a_complete_run_are_restored(tmp_path):
+    write_run(tmp_path / publishing.PREVIOUS, "old")
+    done = publishing.recover(tmp_path)
+    assert len(done) == len(RESULTS) and all("restored the previous" in line for line in done)
+    assert run_contents(tmp_path) == {"old"} and visible(tmp_path) == sorted(RESULTS)
 
 
-def test_published_folders_get_the_users_umask(tmp_path):
-    import os
-    import stat
+def test_other_files_and_stale_trainer_folders(tmp_path):
+    """The user's own files are never touched; a trainer folder a kill left behind is deleted."""
+    (tmp_path / "notes.txt").write_text("mine")
+    write_run(tmp_path, "old")
+    stale = publishing.trainer_folder(tmp_path)
+    (stale / "checkpoint").write_text("x")
+    assert publishing.recover(tmp_path) == [f"deleted the stale trainer folder {stale.name}"]
+    staging = publishing.staging_folder(tmp_path)
+    write_run(staging, "new")
+    publishing.publish(staging, tmp_path)
+    assert run_contents(tmp_path) == {"new"} and (tmp_path / "notes.txt").read_text() == "mine"
+    assert visible(tmp_path) == sorted([*RESULTS, "notes.txt"])
 
+
+def test_published_results_get_the_users_umask(tmp_path):
     previous = os.umask(0o022)
     try:
-        target = tmp_path / "model"
-        staging = publishing.staging_folder(target)
-        write_model(staging, "new")
-        publishing.publish(staging, target)
+        staging = publishing.staging_folder(tmp_path)
+        write_run(staging, "new")
+        publishing.publish(staging, tmp_path)
     finally:
         os.umask(previous)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "metrics.json").stat().st_mode) == 0o644
+
+
+def test_a_full_disk_leaves_the_earlier_run_whole(tiny_bert_dir, tmp_path, monkeypatch, capsys):
+    """The model and metrics are written, then a plot hits a full disk: the output directory keeps the
+    earlier run, not the new model beside the old plot, and the error is one line."""
+    from st_ext.cli import job
+
+    output = tmp_path / "run"
+    write_run(output, "old")
+    previous = os.umask(0o022)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(job, "plot_metric_by_dim", disk_full)
+    try:
+        code = main(["train", "--model", str(tiny_bert_dir), "--max-steps", "1", "--batch-size", "4", "--mini-batch-size", "2",
+                     "--max-pairs", "40", "--matryoshka-dims", "32", "16", "--output-dir", str(output)])
+    finally:
+        os.umask(previous)
+    assert code == EXIT_BAD_INPUT
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "unchanged" in errors[0], errors
+    assert run_contents(output) == {"old"} and visible(output) == sorted(RESULTS)

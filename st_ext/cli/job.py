@@ -2,15 +2,16 @@
 
 :class:`TrainConfig` holds every setting with its default (the packaged all-MiniLM-L6-v2 and the
 built-in standard-library pairs); :func:`run` does the work. Inputs are checked up front, before any
-model is loaded, so a bad setting costs seconds, not a training run. Everything the run writes goes
-to ``output_dir`` through temporary names, so nothing there is ever half-written.
+model is loaded, so a bad setting costs seconds, not a training run. Everything the run writes is
+staged and put in place at once (:mod:`st_ext.cli.publishing`), so ``output_dir`` always holds one
+whole run's results.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -103,6 +104,18 @@ def validate(config: TrainConfig) -> None:
     if not 0 < config.eval_fraction < 1:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
     _check_ranges(config)
+    _check_output_dir(Path(config.output_dir))
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """The results must be writable where they go: found out now, not after training."""
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir: {existing} is a file, not a directory; pass a directory for the results.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir: {existing} is not writable; pass a directory you can write to.")
 
 
 #: Each numeric setting's accepted values, and how to say them.
@@ -167,7 +180,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     validate(config)
     torch.manual_seed(config.seed)
     output_dir = Path(config.output_dir)
-    for line in publishing.recover(output_dir / "model"):
+    for line in publishing.recover(output_dir):
         print(line)
     split = Dataset.from_list(load_pairs(config)).train_test_split(test_size=config.eval_fraction, seed=config.seed)
     train_dataset, eval_pairs = split["train"], split["test"]
@@ -183,9 +196,10 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
     loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
     recorder = StepMemoryRecorder(device)
-    with tempfile.TemporaryDirectory(prefix="st-ext-trainer-") as trainer_dir:
+    trainer_dir = publishing.trainer_folder(output_dir)
+    try:
         args = SentenceTransformerTrainingArguments(
-            output_dir=trainer_dir,
+            output_dir=str(trainer_dir),
             per_device_train_batch_size=config.batch_size,
             num_train_epochs=config.epochs,
             max_steps=config.max_steps,
@@ -209,6 +223,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
         for report in trainer.frozen_encoder_reports:
             print(report)
         trainer.train()
+    finally:
+        shutil.rmtree(trainer_dir, ignore_errors=True)
     auto = auto_mini_batch_of(loss)
     if auto is not None and auto.choice is not None:
         print(auto.choice)
@@ -217,19 +233,45 @@ def run(config: TrainConfig) -> dict[str, Any]:
     after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
-    written = {
-        "model": _save_model(model, output_dir / "model"),
-        "metrics": write_metrics(output_dir / "metrics.json", before, after),
-        "memory_csv": recorder.write_csv(output_dir / "memory_per_step.csv"),
-        "memory_plot": plot_memory(output_dir / "memory_per_step.png", recorder.rows),
-        "metric_plot": plot_metric_by_dim(output_dir / "ndcg_by_dim.png", before, after),
-    }
+    written = _publish_results(output_dir, model, before, after, recorder)
     peak = max((row["peak_mib"] for row in recorder.rows), default=0.0)
     meter = recorder.rows[0]["meter"] if recorder.rows else "no steps"
     print(f"\npeak memory per step: max {peak:.1f} MiB ({meter})")
     for name, path in written.items():
         print(f"{name:>12}: {path}")
     return {"before": before, "after": after, "written": written, "peak_mib": peak}
+
+
+class ResultsNotWritten(ConfigError):
+    """The run's results could not be written (a full disk, a permission taken away mid-run)."""
+
+
+def _publish_results(output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder) -> dict[str, Path]:
+    """Write every result into a staging folder, then put them all in place at once (:mod:`st_ext.cli.publishing`).
+
+    If any write fails, the staging folder is deleted and the earlier results stay as they were.
+    """
+    staging = publishing.staging_folder(output_dir)
+    try:
+        model.save(str(staging / "model"))
+        written = {
+            "model": staging / "model",
+            "metrics": write_metrics(staging / "metrics.json", before, after),
+            "memory_csv": recorder.write_csv(staging / "memory_per_step.csv"),
+            "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows),
+            "metric_plot": plot_metric_by_dim(staging / "ndcg_by_dim.png", before, after),
+        }
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ResultsNotWritten(
+            f"output_dir: writing the results failed ({error.strerror or error}); the trained model is lost and the "
+            f"earlier results in {output_dir} are unchanged. Free space (or restore access) and run again."
+        ) from error
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publishing.publish(staging, output_dir)
+    return {name: output_dir / path.name for name, path in written.items()}
 
 
 def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
@@ -254,14 +296,3 @@ def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims
     guide.max_seq_length = config.max_seq_length
     guide.eval().requires_grad_(False)
     return build_loss(config.loss, model, guide=guide, **sizing, **matryoshka), config.guide_mode
-
-
-def _save_model(model, path: Path) -> Path:
-    """Save into a hidden staging folder beside ``path``, then swap it in (:mod:`st_ext.cli.publishing`)."""
-    staging = publishing.staging_folder(path)
-    try:
-        model.save(str(staging))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return publishing.publish(staging, path)

@@ -1,17 +1,20 @@
-"""Publish a folder over an older one so that a kill at any moment leaves one of the two whole.
+"""Publish a run's results over an earlier run's so that a kill or a full disk leaves one of the two whole.
 
-``st-ext train`` writes its model into a hidden staging folder beside the target and marks it
-complete; then the swap is two renames and a delete, each of which a kill may interrupt:
+``st-ext train`` writes everything a run produces (``model/``, ``metrics.json``, the CSV, the plots)
+into a hidden staging folder inside the output directory. Nothing there is touched until the
+staging folder is complete and marked so; then:
 
-    1. the old ``model/`` is renamed aside to ``.model.previous``;
-    2. the complete staging folder is renamed to ``model/``;
-    3. ``.model.previous`` is deleted.
+    1. every earlier entry of the same name is moved into a hidden ``.run.previous`` folder;
+    2. every staged entry is moved into the output directory;
+    3. ``.run.previous`` and the emptied staging folder are deleted.
 
-:func:`recover` (run before the next run writes anything) reads what a killed swap left: a
-staging folder with its mark is swapped in (the run that wrote it had finished); without one, a
-folder moved aside is put back; after 2, the old folder is deleted; unmarked staging folders are
-deleted. Renames within one directory are atomic on POSIX file systems, so ``model/`` is always
-either the old model or the new one, or (between 1 and 2) absent with both kept beside it.
+Each move is a rename within one file system, which a kill cannot split. :func:`recover` (run before
+the next run writes anything) reads what a killed run left: a marked staging folder is published
+(steps 1 to 3, for what is still staged); an unmarked one is deleted, and entries moved aside
+without a complete run to replace them are moved back. The output directory therefore always holds
+one run's results, never a mix: a run that fails to write (a full disk) leaves the earlier results
+as they were. Files the user put in the output directory under other names are never touched.
+Stale trainer folders (``.trainer-*``, where the trainer writes while it runs) are deleted too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from typing import Callable
 
 #: Written into a staging folder once everything in it is written.
 COMPLETE_MARK = ".complete"
+STAGING_PREFIX = ".run.staging-"
+PREVIOUS = ".run.previous"
+TRAINER_PREFIX = ".trainer-"
 
 
 def _no_fault(step: str) -> None:
@@ -33,65 +39,71 @@ def _no_fault(step: str) -> None:
 fault_point: Callable[[str], None] = _no_fault
 
 
-def staging_folder(target: Path) -> Path:
-    """A new hidden folder beside ``target`` to write into (it gets the user's umask, like ``mkdir``)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
-    staging.rmdir()
-    staging.mkdir()
-    return staging
+def _hidden_folder(output_dir: Path, prefix: str) -> Path:
+    """A new hidden folder in ``output_dir`` with the user's umask (``mkdtemp`` would make it 0700)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=output_dir))
+    folder.rmdir()
+    folder.mkdir()
+    return folder
 
 
-def aside(target: Path) -> Path:
-    return target.with_name(f".{target.name}.previous")
+def staging_folder(output_dir: Path) -> Path:
+    """A new hidden folder in ``output_dir`` to write a run's results into."""
+    return _hidden_folder(output_dir, STAGING_PREFIX)
 
 
-def publish(staging: Path, target: Path) -> Path:
-    """Swap the fully written ``staging`` folder in as ``target``; the old ``target`` survives any kill
-    until the new one is in place."""
+def trainer_folder(output_dir: Path) -> Path:
+    """A new hidden folder in ``output_dir`` for the trainer's own files while it runs; delete it after."""
+    return _hidden_folder(output_dir, TRAINER_PREFIX)
+
+
+def publish(staging: Path, output_dir: Path) -> list[Path]:
+    """Put the fully written ``staging`` folder's entries in place of the earlier ones; returns their paths."""
     (staging / COMPLETE_MARK).touch()
     fault_point("marked")
-    previous = aside(target)
-    if previous.exists():
-        shutil.rmtree(previous)
-    if target.exists():
-        target.rename(previous)
+    return _finish(staging, output_dir)
+
+
+def _finish(staging: Path, output_dir: Path) -> list[Path]:
+    entries = sorted(entry.name for entry in staging.iterdir() if entry.name != COMPLETE_MARK)
+    previous = output_dir / PREVIOUS
+    previous.mkdir(exist_ok=True)
+    for name in entries:
+        if (output_dir / name).exists() and not (previous / name).exists():
+            (output_dir / name).rename(previous / name)
     fault_point("moved aside")
-    staging.rename(target)
-    (target / COMPLETE_MARK).unlink()
+    for name in entries:
+        (staging / name).rename(output_dir / name)
     fault_point("moved in")
     shutil.rmtree(previous, ignore_errors=True)
-    return target
+    shutil.rmtree(staging, ignore_errors=True)
+    return [output_dir / name for name in entries]
 
 
-def recover(target: Path) -> list[str]:
-    """Finish or roll back a swap that a kill interrupted, and delete stale staging folders; returns
-    one line per thing done."""
+def recover(output_dir: Path) -> list[str]:
+    """Finish or roll back what a killed run left in ``output_dir``; returns one line per thing done."""
     done: list[str] = []
-    parent, previous = target.parent, aside(target)
-    if not parent.is_dir():
+    if not output_dir.is_dir():
         return done
-    staged = sorted(parent.glob(f".{target.name}.staging-*"))
+    staged = sorted(output_dir.glob(f"{STAGING_PREFIX}*"))
     complete = [folder for folder in staged if (folder / COMPLETE_MARK).exists()]
     if complete:
         newest = complete[-1]
         staged.remove(newest)
-        if target.exists():
-            if previous.exists():
-                shutil.rmtree(previous)
-            target.rename(previous)
-        newest.rename(target)
-        (target / COMPLETE_MARK).unlink()
-        done.append(f"finished publishing {target} (a run was stopped while swapping it in)")
-    if not target.exists() and previous.exists():
-        previous.rename(target)
-        done.append(f"restored the previous {target} (a run was stopped before its new one was complete)")
-    elif previous.exists():
-        shutil.rmtree(previous)
-        done.append(f"deleted the previous {target.name} left beside the new one")
-    if target.exists() and (target / COMPLETE_MARK).exists():
-        (target / COMPLETE_MARK).unlink()
+        _finish(newest, output_dir)
+        done.append(f"finished publishing the results in {output_dir} (a run was stopped while putting them in place)")
+    previous = output_dir / PREVIOUS
+    if previous.is_dir():
+        for entry in sorted(previous.iterdir()):
+            if not (output_dir / entry.name).exists():
+                entry.rename(output_dir / entry.name)
+                done.append(f"restored the previous {entry.name} (a run was stopped before its results were complete)")
+        shutil.rmtree(previous, ignore_errors=True)
     for folder in staged:
         shutil.rmtree(folder, ignore_errors=True)
         done.append(f"deleted the unfinished {folder.name}")
+    for folder in sorted(output_dir.glob(f"{TRAINER_PREFIX}*")):
+        shutil.rmtree(folder, ignore_errors=True)
+        done.append(f"deleted the stale trainer folder {folder.name}")
     return done

@@ -1,7 +1,7 @@
 """What a training run leaves behind: a per-step memory CSV, metric tables and plots.
 
-Files are written to a temporary name in the same directory and renamed into place, so an
-interrupted run never leaves a half-written report that looks complete.
+The job writes them into a staging folder that it publishes whole (:mod:`st_ext.cli.publishing`),
+so they are written plainly here, with the user's umask.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ import contextlib
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -19,20 +17,10 @@ from transformers import TrainerCallback
 from st_ext.memory import PeakMemory, measure_peak
 
 
-def write_atomically(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
+def write_file(path: Path, data: bytes | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode() if isinstance(data, str) else data
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(payload)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
     return path
 
 
@@ -63,13 +51,13 @@ class StepMemoryRecorder(TrainerCallback):
         writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "device", "meter"])
         writer.writeheader()
         writer.writerows(self.rows)
-        return write_atomically(path, buffer.getvalue())
+        return write_file(path, buffer.getvalue())
 
 
 def write_metrics(path: Path, before: dict, after: dict) -> Path:
     """Metrics before and after training, per Matryoshka dim, as JSON."""
     payload = {"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in after.items()}}
-    return write_atomically(path, json.dumps(payload, indent=2))
+    return write_file(path, json.dumps(payload, indent=2))
 
 
 def plot_memory(path: Path, rows: list[dict]) -> Path:
@@ -115,4 +103,4 @@ def _save(figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(buffer, format="png")
     plt.close(figure)
-    return write_atomically(path, buffer.getvalue())
+    return write_file(path, buffer.getvalue())
