@@ -4,6 +4,7 @@ and the errors bad input gets."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -22,6 +23,7 @@ from st_ext.losses.cross_batch_memory import (
     CrossBatchMemoryCallback,
     CrossBatchMemoryLoss,
     MemoryBank,
+    MissingMemoryError,
     document_keys,
     enqueue,
     gather_from_ranks,
@@ -233,7 +235,6 @@ class RecordMemoryAtStart(TrainerCallback):
 
 def test_resume_restores_the_queue(tiny_bert_dir, tmp_path):
     trainer, loss = memory_trainer(tiny_bert_dir, tmp_path)
-    assert any(isinstance(callback, CrossBatchMemoryCallback) for callback in trainer.callback_handler.callbacks)
     trainer.train()
     saved = {step: torch.load(tmp_path / f"checkpoint-{step}" / MEMORY_FILENAME)["losses"]["loss"] for step in (1, 2)}
     assert len(saved[1]["embeddings"]) == 4 and len(saved[2]["embeddings"]) == 8
@@ -249,6 +250,67 @@ def test_resume_restores_the_queue(tiny_bert_dir, tmp_path):
     continued.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))  # restores step 1, runs step 2
     torch.testing.assert_close(continued_loss.memory_state()["embeddings"], saved[2]["embeddings"])
     assert torch.equal(continued_loss.memory_state()["labels"], saved[2]["labels"])
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL inside the trainer's checkpoint save."""
+
+
+def test_the_queue_is_in_the_checkpoint_before_anything_else_happens(tiny_bert_dir, tmp_path, monkeypatch):
+    """Killed right after the model is saved (before the optimizer, the trainer state and the rotation of
+    older checkpoints), the checkpoint already holds the queue."""
+    trainer, loss = memory_trainer(tiny_bert_dir, tmp_path, max_steps=1)
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", killed)
+    with pytest.raises(Killed):
+        trainer.train()
+    saved = torch.load(tmp_path / "checkpoint-1" / MEMORY_FILENAME, weights_only=True)["losses"]["loss"]
+    assert_same_state(loss.memory_state(), saved)
+
+
+def test_resuming_without_the_queue_is_an_error_unless_asked_for(tiny_bert_dir, tmp_path, caplog):
+    trainer, _ = memory_trainer(tiny_bert_dir, tmp_path)
+    trainer.train()
+    (tmp_path / "checkpoint-1" / MEMORY_FILENAME).unlink()
+    resumed, _ = memory_trainer(tiny_bert_dir, tmp_path / "again")
+    with pytest.raises(MissingMemoryError, match=r"checkpoint-1/cross_batch_memory.pt does not exist.*resume_empty_memory=True"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+    model = sentence_transformer_from(tiny_bert_dir)
+    loss = CrossBatchMemoryLoss(model, triplet.BatchAllTripletLoss(model, margin=0.5), memory_size=12)
+    args = resumed.args
+    empty_ok = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=triplet_dataset(), loss=loss, resume_empty_memory=True
+    )
+    with caplog.at_level(logging.WARNING):
+        empty_ok.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert "starts empty" in caplog.text and empty_ok.state.global_step == 2
+
+
+def test_the_callback_saves_the_queue_with_an_upstream_trainer(tiny_bert_dir, tmp_path):
+    import sentence_transformers
+
+    trainer, loss = memory_trainer(tiny_bert_dir, tmp_path, max_steps=1)
+    upstream_trainer = sentence_transformers.SentenceTransformerTrainer(
+        model=trainer.model, args=trainer.args, train_dataset=triplet_dataset(), loss=loss,
+        callbacks=[CrossBatchMemoryCallback(loss)],
+    )
+    upstream_trainer.train()
+    saved = torch.load(tmp_path / "checkpoint-1" / MEMORY_FILENAME, weights_only=True)["losses"]["loss"]
+    assert_same_state(loss.memory_state(), saved)
+
+
+def test_a_damaged_queue_file_is_named(tiny_bert_dir, tmp_path):
+    trainer, _ = memory_trainer(tiny_bert_dir, tmp_path, max_steps=1)
+    trainer.train()
+    path = tmp_path / "checkpoint-1" / MEMORY_FILENAME
+    path.write_bytes(path.read_bytes()[:40])  # truncated, as by a full disk
+    resumed, _ = memory_trainer(tiny_bert_dir, tmp_path / "again")
+    with pytest.raises(ValueError, match=f"{path} cannot be read"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
 def test_memory_state_round_trip_and_smaller_memory(model, tmp_path):

@@ -28,9 +28,10 @@ What ranking losses queue, and why:
   warmed-up model.
 
 The queue is read and written only when gradients are enabled (training steps); evaluation under
-``torch.no_grad()`` computes the plain loss and leaves the queue as it was. It is saved with every
-trainer checkpoint (:class:`CrossBatchMemoryCallback`, added by st_ext's trainer) and restored by
-``trainer.train(resume_from_checkpoint=...)``.
+``torch.no_grad()`` computes the plain loss and leaves the queue as it was. st_ext's trainer writes
+it into every checkpoint with the model and restores it on ``trainer.train(resume_from_checkpoint=...)``
+(:func:`load_memories`: a checkpoint without it is an error, not an empty queue); with an upstream
+trainer, :class:`CrossBatchMemoryCallback` saves it.
 """
 
 from __future__ import annotations
@@ -599,31 +600,55 @@ def save_memories(loss: nn.Module | dict[str, nn.Module], checkpoint_dir: str | 
     return path
 
 
-def load_memories(loss: nn.Module | dict[str, nn.Module], checkpoint_dir: str | Path) -> list[str]:
+class MissingMemoryError(FileNotFoundError):
+    """A checkpoint to resume from lacks a cross-batch memory the loss holds."""
+
+
+def load_memories(
+    loss: nn.Module | dict[str, nn.Module], checkpoint_dir: str | Path, *, allow_empty: bool = False
+) -> list[str]:
     """Restore the memories saved by :func:`save_memories`; returns the names restored.
 
-    A memory the checkpoint does not hold (a checkpoint from another script) starts empty, with a warning.
+    A memory the checkpoint does not hold (its file was lost, or the checkpoint is from another script)
+    would resume with an empty queue, and the run would diverge from the uninterrupted one: that is a
+    :class:`MissingMemoryError`, unless ``allow_empty``, which starts it empty with a warning. A file
+    that cannot be read (truncated by a full disk, say) is a ``ValueError`` naming it.
     """
     found = memory_losses(loss)
     if not found:
         return []
     path = Path(checkpoint_dir) / MEMORY_FILENAME
-    if not path.is_file():
-        logger.warning(f"{path} does not exist: the cross-batch memory starts empty instead of resuming.")
-        return []
-    saved = torch.load(path, map_location="cpu", weights_only=True)["losses"]
-    for name in found.keys() - saved.keys():
-        logger.warning(f"{path} holds no memory for {name!r} (it holds {sorted(saved)}); that memory starts empty.")
+    saved: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)["losses"]
+        except Exception as error:  # torch.load raises several types for a damaged file
+            raise ValueError(
+                f"{path} cannot be read ({error}): the cross-batch memory of that checkpoint is damaged. Resume from "
+                "another checkpoint."
+            ) from error
+    missing = sorted(found.keys() - saved.keys())
+    if missing:
+        where = f"{path} holds no memory for {', '.join(map(repr, missing))}" if saved else f"{path} does not exist"
+        if not allow_empty:
+            raise MissingMemoryError(
+                f"{where}: resuming would train on with an empty cross-batch memory and diverge from the "
+                "uninterrupted run. Resume from a checkpoint that has it, or pass resume_empty_memory=True to the "
+                "trainer to start the memory empty."
+            )
+        logger.warning(f"{where}: the cross-batch memory starts empty (resume_empty_memory=True).")
     for name in found.keys() & saved.keys():
         found[name].load_memory_state(saved[name])
     return sorted(found.keys() & saved.keys())
 
 
 class CrossBatchMemoryCallback(TrainerCallback):
-    """Saves the memory of every CrossBatchMemoryLoss in ``loss`` next to each trainer checkpoint.
+    """Saves the memory of every CrossBatchMemoryLoss in ``loss`` next to each checkpoint of an upstream trainer.
 
-    ``on_save`` runs after the trainer wrote ``<output_dir>/checkpoint-<global_step>``; only the main
-    process writes, since every rank holds the same queue.
+    ``on_save`` runs after the trainer wrote ``<output_dir>/checkpoint-<global_step>`` and rotated older
+    checkpoints, so a kill in between leaves a checkpoint without its memory (resuming from it is then
+    an error). st_ext's trainers write the memory inside the checkpoint instead, before anything else
+    happens, and need no callback. Only the main process writes: every rank holds the same queue.
     """
 
     def __init__(self, loss: nn.Module | dict[str, nn.Module]) -> None:
@@ -635,23 +660,15 @@ class CrossBatchMemoryCallback(TrainerCallback):
         return control
 
 
-def attach_memory_callback(trainer) -> None:
-    """Add a :class:`CrossBatchMemoryCallback` to ``trainer`` if its loss holds a memory (once)."""
-    loss = getattr(trainer, "loss", None)
-    if not memory_losses(loss):
-        return
-    if any(isinstance(callback, CrossBatchMemoryCallback) for callback in trainer.callback_handler.callbacks):
-        return
-    trainer.add_callback(CrossBatchMemoryCallback(loss))
-
-
-def restore_memories_for_resume(trainer, resume_from_checkpoint: str | bool | None) -> list[str]:
+def restore_memories_for_resume(
+    trainer, resume_from_checkpoint: str | bool | None, *, allow_empty: bool = False
+) -> list[str]:
     """Before ``train(resume_from_checkpoint=...)``: load the memories saved with that checkpoint
-    (``True``: the last one in ``args.output_dir``, as the trainer itself resolves it)."""
+    (``True``: the last one in ``args.output_dir``, as the trainer itself resolves it); see :func:`load_memories`."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return []
     if resume_from_checkpoint is True:
         resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
         if resume_from_checkpoint is None:
             return []  # the trainer raises its own error about the missing checkpoint
-    return load_memories(trainer.loss, resume_from_checkpoint)
+    return load_memories(trainer.loss, resume_from_checkpoint, allow_empty=allow_empty)

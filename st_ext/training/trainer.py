@@ -25,7 +25,7 @@ import sentence_transformers
 from torch import nn
 
 from st_ext import _compat
-from st_ext.losses.cross_batch_memory import attach_memory_callback, restore_memories_for_resume
+from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
@@ -92,8 +92,10 @@ def resolve_loss_names(loss, model):
 class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformers.SentenceTransformerTrainer):
     """Upstream ``SentenceTransformerTrainer``; ``gradient_checkpointing=True`` works on every model,
     ``loss`` may also be a registered loss name (see :func:`st_ext.losses.registry.known_losses`), and
-    the queue of a :class:`~st_ext.losses.cross_batch_memory.CrossBatchMemoryLoss` is saved with each
-    checkpoint and restored on resume.
+    the queue of a :class:`~st_ext.losses.cross_batch_memory.CrossBatchMemoryLoss` is part of each
+    checkpoint (written with the model, before older checkpoints are rotated away) and restored on
+    resume. Resuming from a checkpoint without it is an error unless ``resume_empty_memory=True``
+    (keyword only), which starts the queue empty.
 
     ``frozen_encoders`` (keyword only): ``"resident"`` (default), ``"offload"`` or ``"precompute"``
     for every GIST guide and distillation teacher of the loss, switched before upstream moves the loss
@@ -111,6 +113,7 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         loss=None,
         *rest,
         frozen_encoders: str = "resident",
+        resume_empty_memory: bool = False,
         **kwargs,
     ):
         validate_frozen_encoder_mode(frozen_encoders)
@@ -129,14 +132,21 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
         if not built:  # a loss factory, built by upstream's __init__ just now
             reports = switch(self.loss, device=self.model.device)
-        attach_memory_callback(self)
+        self.resume_empty_memory = resume_empty_memory
         self.frozen_encoders = frozen_encoders
         self.frozen_encoder_reports = reports
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
-        restore_memories_for_resume(self, resume_from_checkpoint)
+        restore_memories_for_resume(self, resume_from_checkpoint, allow_empty=self.resume_empty_memory)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Upstream's ``save_model``; inside a checkpoint, the cross-batch memories are written with the model,
+        so the checkpoint holds them before the trainer counts it or rotates older ones away."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call and self.args.should_save:
+            save_memories(self.loss, output_dir or self.args.output_dir)
 
 
 class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.CrossEncoderTrainer):
