@@ -209,6 +209,22 @@ def test_losses_st_ext_cannot_reach_into_are_left_to_upstream(model):
     assert not loss.uses_gradient_cache
 
 
+@pytest.mark.parametrize(
+    "inner, error, message",
+    [
+        (lambda model, other: nn.Linear(2, 2), TypeError, "got Linear, which is not called that way"),
+        (lambda model, other: model, TypeError, "got SentenceTransformer, which is not called that way"),
+        (lambda model, other: "mnrl", TypeError, "got str"),
+        (lambda model, other: upstream.MultipleNegativesRankingLoss(other), ValueError, "built for another model"),
+    ],
+    ids=["module", "the-model", "a-name", "another-model"],
+)
+def test_something_that_is_not_a_loss_of_this_model_is_refused(model, guide, inner, error, message):
+    """Upstream accepts these and fails (or silently truncates nothing) at the first step."""
+    with pytest.raises(error, match=message):
+        losses.MatryoshkaLoss(model, inner(model, guide), DIMS)
+
+
 def test_a_cached_matryoshka_cannot_be_wrapped_again(model):
     nested = losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), DIMS)
     with pytest.raises(TypeError, match="cannot be wrapped again"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -59,6 +60,7 @@ def test_config_file_with_precomputed_guide(tiny_bert_dir, pairs_file, tmp_path)
 def test_non_cached_gist_with_offloaded_guide(tiny_bert_dir, pairs_file, tmp_path):
     output = tmp_path / "run"
     args = tiny_run_args(tiny_bert_dir, pairs_file, output, "--loss", "matryoshka_gist", "--guide-mode", "offload")
+    del args[args.index("--mini-batch-size") : args.index("--mini-batch-size") + 2]  # a non-cached loss has none
     assert main(args) == 0
     assert set(json.loads((output / "metrics.json").read_text())["after"]) == {"32", "16"}
 
@@ -84,14 +86,23 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--epochs", "-1"], "epochs: -1.0 is out of range; use a number above 0"),
         (["--max-steps", "0"], "max_steps: 0 is out of range; use -1 (train by epochs) or a positive number"),
         (["--max-seq-length", "0"], "max_seq_length: 0 is out of range; use 1 or more tokens"),
+        (["--max-seq-length", "100000"], "max_seq_length: 100000 is above the"),
         (["--learning-rate", "-0.001"], "learning_rate: -0.001 is out of range; use a number above 0"),
         (["--seed", "-1"], "seed: -1 is out of range; use 0 or more"),
         (["--output-dir", "__FILE__/run"], "is a file, not a directory; pass a directory for the results"),
+        (["--data", "__TMP__"], "is a directory; pass a JSONL, CSV or Parquet file"),
+        (["--model", "__TMP__"], "holds no model (none of modules.json, config.json)"),
+        (["--loss", "cosent"], "'cosent' trains on (sentence_A, sentence_B, score) rows, but st-ext train gives (anchor, positive) pairs"),
+        (["--loss", "batch_all_triplet"], "'batch_all_triplet' trains on (text, label) rows"),
+        (["--loss", "cached_mnrl", "--guide", "__TMP__"], "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)"),
+        (["--loss", "mnrl"], "mini_batch_size: 'mnrl' would ignore it (only the cached losses split batches"),
+        (["--memory-budget-mb", "100"], "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto"),
+        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "memory_budget_mb: mini_batch_size='auto': even a mini-batch of one row"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")
-    change = [value.replace("__FILE__", str(pairs_file)) for value in change]
+    change = [value.replace("__FILE__", str(pairs_file)).replace("__TMP__", str(tmp_path)) for value in change]
     for flag, value in zip(change[::2], change[1::2]):
         if flag in args:
             args[args.index(flag) + 1] = value
@@ -100,19 +111,42 @@ def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys
     assert main(args) == EXIT_BAD_INPUT
     stderr = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in stderr if "error" in line.lower()]
-    assert errors == [stderr[-1]] and errors[0].startswith("st-ext: error: ") and message in errors[0]
+    assert errors == [stderr[-1]] and errors[0].startswith("st-ext train: error: ") and message in errors[0]
     assert not (tmp_path / "run" / "model").exists()
 
 
 @pytest.mark.parametrize(
     "content, message",
-    [("batch_size: [unclosed", "is not valid YAML"), ("- a\n- b\n", "must hold a mapping"), ("batch_sise: 3\n", "unknown setting(s) batch_sise")],
+    [
+        ("batch_size: [unclosed", "is not valid YAML"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("batch_sise: 3\n", "unknown setting(s) batch_sise"),
+        ("batch_size: eight\n", "config: batch_size: expected an integer, got 'eight'."),
+        ("batch_size:\n", "config: batch_size: expected an integer, got None."),
+        ("batch_size: 2.5\n", "config: batch_size: expected an integer, got 2.5."),
+        ("matryoshka_dims: 32\n", "config: matryoshka_dims: expected a list (an integer each), e.g. [384, 128], got 32."),
+        ("matryoshka_dims: [32, x]\n", "config: matryoshka_dims: expected an integer, got 'x'."),
+        ("gradient_checkpointing: maybe\n", "config: gradient_checkpointing: expected true or false, got 'maybe'."),
+        ("model: [a, b]\n", "config: model: expected text or nothing, got ['a', 'b']."),
+        ("memory_budget_mb: lots\n", "config: memory_budget_mb: expected a number or nothing, got 'lots'."),
+    ],
 )
 def test_malformed_config_is_refused(tmp_path, capsys, content, message):
     config = tmp_path / "config.yaml"
     config.write_text(content)
     assert main(["train", "--config", str(config)]) == EXIT_BAD_INPUT
     assert message in capsys.readouterr().err
+
+
+def test_config_values_are_converted_as_flags_would_be(tiny_bert_dir, pairs_file, tmp_path):
+    """YAML 1.1 reads ``1e-4`` as text and ``5`` as a number: each becomes what its flag would."""
+    from st_ext.cli.main import load_config_file
+
+    config = tmp_path / "config.yaml"
+    config.write_text("learning_rate: 1e-4\nmodel: 5\nbatch_size: '8'\nmini_batch_size: auto\ngradient_checkpointing: yes\n")
+    assert load_config_file(config) == {
+        "learning_rate": 1e-4, "model": "5", "batch_size": 8, "mini_batch_size": "auto", "gradient_checkpointing": True,
+    }
 
 
 def test_flags_win_over_the_config_file(tiny_bert_dir, pairs_file, tmp_path, capsys):
@@ -138,10 +172,14 @@ def test_help_lists_every_setting_with_its_default(capsys):
         assert default in text
 
 
-def test_list_losses(capsys):
+def test_list_losses_says_what_each_trains_on(capsys):
+    from st_ext.losses.registry import known_losses
+
     assert main(["train", "--list-losses"]) == 0
-    names = capsys.readouterr().out.split()
-    assert "matryoshka_cached_gist" in names and "cached_mnrl" in names
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert sorted(lines) == known_losses()
+    assert "(anchor, positive[, negative_1, ...])" in lines["matryoshka_cached_gist"]
+    assert "(sentence_A, sentence_B, score)" in lines["cosent"] and "(text, label)" in lines["xbm_batch_hard_triplet"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
@@ -150,6 +188,49 @@ def test_an_unwritable_output_dir_is_refused_before_training(tiny_bert_dir, pair
     locked.mkdir(mode=0o500)
     assert main(tiny_run_args(tiny_bert_dir, pairs_file, locked / "run")) == EXIT_BAD_INPUT
     assert "is not writable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.jsonl", b"", "empty.jsonl is empty."),
+        ("bad.jsonl", b'{"anchor": "a", "positive": "b"}\n{"anchor": "a",\n', "bad.jsonl line 2 is not valid JSON"),
+        ("latin1.csv", "anchor,positive\ncaf\u00e9,b\n".encode("latin-1"), "latin1.csv line 2 is not UTF-8 (byte 4)"),
+        ("lists.jsonl", b'{"anchor": ["a", "b"], "positive": "c"}\n', "lists.jsonl row 1: column 'anchor' holds list"),
+        ("objects.jsonl", b'{"anchor": "a", "positive": {"text": "c"}}\n', "column 'positive' holds dict"),
+    ],
+)
+def test_unreadable_data_is_one_line_with_its_place(tiny_bert_dir, tmp_path, capsys, name, content, message):
+    data = tmp_path / name
+    data.write_bytes(content)
+    args = ["train", "--model", str(tiny_bert_dir), "--data", str(data), "--output-dir", str(tmp_path / "run")]
+    assert main(args) == EXIT_BAD_INPUT
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_every_error_has_the_same_form(capsys):
+    """argparse's own errors and st_ext's start alike."""
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--batch-size", "many"])
+    assert stop.value.code == EXIT_BAD_INPUT
+    argparse_error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["train", "--config", "/"]) == EXIT_BAD_INPUT
+    own_error = capsys.readouterr().err.strip()
+    assert argparse_error.startswith("st-ext train: error: ") and own_error.startswith("st-ext train: error: ")
+    assert own_error == "st-ext train: error: config: / is a directory; pass a YAML or JSON file."
+
+
+def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pairs_file, tmp_path, monkeypatch, capsys):
+    main_module = sys.modules["st_ext.cli.main"]  # the package's `main` attribute is the function
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_module, "run", interrupted)
+    assert main(tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == f"st-ext train: interrupted; nothing was written to {tmp_path / 'run'}: it holds the previous run's results, if any."
 
 
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):

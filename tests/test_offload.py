@@ -185,6 +185,16 @@ def test_release_kills_weak_references_and_guards_every_entry_point(minilm_path)
         model(tokenized(model, ["a sentence"]))
 
 
+def test_a_released_model_is_neither_saved_nor_moved(minilm_path, tmp_path):
+    """Saving would write a folder of meta tensors (torch's error half-way through), moving fail the same way."""
+    model = load_minilm(minilm_path)
+    release(model)
+    for action in (lambda: model.save(str(tmp_path / "saved")), lambda: model.to("cpu"), lambda: model.cpu()):
+        with pytest.raises(ReleasedModuleError, match="was released"):
+            action()
+    assert not (tmp_path / "saved").exists()
+
+
 def test_release_of_plain_hugging_face_model_names_how_to_reload_it(tiny_bert_dir):
     from transformers import BertModel
 
@@ -252,6 +262,19 @@ def test_check_finds_a_parameter_held_by_a_hook_closure_on_another_module(minilm
     assert "closure variable 'guide_weight' of" in leftover.held_by[0]
     with pytest.raises(LeftoverError, match=name):
         assert_released(model)
+
+
+def test_check_names_a_hook_lambdas_default_argument(minilm_path):
+    model = load_minilm(minilm_path)
+    name = next(iter(model.named_parameters()))[0]
+    student = nn.Linear(2, 2)
+    student.register_forward_hook(lambda module, args, output, kept=model.get_parameter(name): output + kept.norm())
+
+    report = release(model)
+
+    (leftover,) = report.check.leftovers
+    assert "Linear._forward_hooks" in leftover.held_by[0]
+    assert "default argument 'kept' of" in leftover.held_by[0] and "<lambda>()" in leftover.held_by[0]
 
 
 def test_check_finds_parameters_held_by_a_cached_output_with_a_graph(minilm_path):

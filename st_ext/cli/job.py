@@ -10,6 +10,7 @@ whole run's results.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -26,12 +27,14 @@ from st_ext.cli import publishing
 from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
-from st_ext.losses.auto_mini_batch import auto_mini_batch_of
-from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss, known_losses
+from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
+from st_ext.losses.registry import MATRYOSHKA_PREFIX, LossSpec, build_loss, known_losses, loss_spec
 from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
 from st_ext.training.trainer import SentenceTransformerTrainer
 
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+#: A folder holding one of these is something SentenceTransformer(folder) can load.
+LOADABLE_MODEL_FILES = ("modules.json", "config.json")
 
 
 class ConfigError(ValueError):
@@ -81,16 +84,37 @@ def validate(config: TrainConfig) -> None:
     model_path = config.model or packaged_model_path()
     if not Path(model_path).is_dir():
         raise ConfigError(f"model: {model_path!r} is not a directory; pass a saved SentenceTransformer directory.")
+    if not any((Path(model_path) / name).is_file() for name in LOADABLE_MODEL_FILES):
+        raise ConfigError(
+            f"model: {model_path!r} holds no model (none of {', '.join(LOADABLE_MODEL_FILES)}); pass the directory "
+            "model.save() wrote."
+        )
+    positions = _max_positions(Path(model_path))
+    if positions is not None and config.max_seq_length > positions:
+        raise ConfigError(
+            f"max_seq_length: {config.max_seq_length} is above the {positions} positions the model was built for; "
+            f"use {positions} or less."
+        )
     if config.guide is not None and not Path(config.guide).is_dir():
         raise ConfigError(f"guide: {config.guide!r} is not a directory; pass a saved SentenceTransformer directory.")
     if config.data is not None:
         data = Path(config.data)
+        if data.is_dir():
+            raise ConfigError(f"data: {config.data!r} is a directory; pass a JSONL, CSV or Parquet file.")
         if not data.is_file():
             raise ConfigError(f"data: {config.data!r} does not exist.")
         if data.suffix.lower() not in DATA_FORMATS:
             raise ConfigError(f"data: {data.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
     if config.loss not in known_losses():
         raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
+    spec = loss_spec(config.loss)
+    if not spec.trains_on_pairs:
+        trainable = [name for name in known_losses() if loss_spec(name).trains_on_pairs]
+        raise ConfigError(
+            f"loss: {config.loss!r} trains on {spec.columns} rows, but st-ext train gives (anchor, positive) pairs; "
+            f"use one of {', '.join(trainable)}."
+        )
+    _refuse_unused_settings(config, spec)
     if config.guide_mode not in FROZEN_ENCODER_MODES:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
     if config.batch_size < 2:
@@ -105,6 +129,36 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
     _check_ranges(config)
     _check_output_dir(Path(config.output_dir))
+
+
+def _max_positions(model_path: Path) -> int | None:
+    """The model's ``max_position_embeddings`` from its config file (without loading it), if it says."""
+    try:
+        return int(json.loads((model_path / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
+    """A setting the chosen loss would ignore is a mistake in the command, not something to skip silently."""
+    defaults = TrainConfig()
+    unused = {
+        "guide": not spec.guided and config.guide is not None,
+        "guide_mode": not spec.guided and config.guide_mode != defaults.guide_mode,
+        "mini_batch_size": not spec.cached and config.mini_batch_size != defaults.mini_batch_size,
+        "memory_budget_mb": config.memory_budget_mb is not None and (not spec.cached or config.mini_batch_size != "auto"),
+    }
+    reasons = {
+        "guide": "only the GIST losses use a guide",
+        "guide_mode": "only the GIST losses use a guide",
+        "mini_batch_size": "only the cached losses split batches into mini-batches",
+        "memory_budget_mb": "it sizes mini_batch_size auto of a cached loss only",
+    }
+    for name, is_unused in unused.items():
+        if is_unused:
+            raise ConfigError(
+                f"{name}: {config.loss!r} would ignore it ({reasons[name]}); leave it out or choose a loss that uses it."
+            )
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -153,25 +207,54 @@ def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
 
 
 def _read_pairs_file(path: Path, anchor_column: str, positive_column: str) -> list[dict[str, str]]:
-
+    _check_text_file(path)
     try:
         dataset = load_dataset(DATA_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
     except Exception as error:  # the datasets library raises many types for unreadable files
-        raise ConfigError(f"data: cannot read {path}: {error}") from error
+        raise ConfigError(f"data: cannot read {path}: {str(error).strip() or type(error).__name__}") from error
     missing = [c for c in (anchor_column, positive_column) if c not in dataset.column_names]
     if missing:
         raise ConfigError(
             f"data: column(s) {', '.join(missing)} not in {path.name} (it has: {', '.join(dataset.column_names) or 'none'}); "
             "pass --anchor-column/--positive-column."
         )
-    pairs = [
-        {"anchor": str(a), "positive": str(p)}
-        for a, p in zip(dataset[anchor_column], dataset[positive_column])
-        if a not in (None, "") and p not in (None, "")
-    ]
+    pairs = []
+    for row, (anchor, positive) in enumerate(zip(dataset[anchor_column], dataset[positive_column]), start=1):
+        for column, value in ((anchor_column, anchor), (positive_column, positive)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(
+                    f"data: {path.name} row {row}: column {column!r} holds {type(value).__name__} {value!r:.60}, "
+                    "not text; every anchor and positive must be a string."
+                )
+        if anchor and positive:
+            pairs.append({"anchor": anchor, "positive": positive})
     if not pairs:
         raise ConfigError(f"data: {path.name} has no rows with both {anchor_column!r} and {positive_column!r} filled.")
     return pairs
+
+
+def _check_text_file(path: Path) -> None:
+    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line
+    number: the datasets library reports these without a place, or not at all."""
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data: {path} is empty.")
+    if path.suffix.lower() not in (".jsonl", ".csv"):
+        return
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ConfigError(
+                    f"data: {path.name} line {number} is not UTF-8 (byte {error.start + 1}); save the file as UTF-8."
+                ) from None
+            if path.suffix.lower() == ".jsonl" and line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ConfigError(
+                        f"data: {path.name} line {number} is not valid JSON ({error.msg} at column {error.colno})."
+                    ) from None
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
@@ -222,7 +305,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
         )
         for report in trainer.frozen_encoder_reports:
             print(report)
-        trainer.train()
+        try:
+            trainer.train()
+        except BudgetTooSmallError as error:
+            _close_progress_bars(trainer)  # so that the error starts a line of its own
+            raise ConfigError(f"memory_budget_mb: {error}") from None
     finally:
         shutil.rmtree(trainer_dir, ignore_errors=True)
     auto = auto_mini_batch_of(loss)
@@ -240,6 +327,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
     for name, path in written.items():
         print(f"{name:>12}: {path}")
     return {"before": before, "after": after, "written": written, "peak_mib": peak}
+
+
+def _close_progress_bars(trainer) -> None:
+    for callback in trainer.callback_handler.callbacks:
+        bar = getattr(callback, "training_bar", None)
+        if bar is not None:
+            bar.close()
 
 
 class ResultsNotWritten(ConfigError):
@@ -285,12 +379,11 @@ def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims
     """The configured loss, and the trainer's ``frozen_encoders=`` for it: ``config.guide_mode`` for a GIST
     loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"."""
 
-    base_name = config.loss.removeprefix(MATRYOSHKA_PREFIX)
     matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
     sizing = {"mini_batch_size": config.mini_batch_size}
     if config.mini_batch_size == "auto":
         sizing["memory_budget_mb"] = config.memory_budget_mb
-    if not BASE_LOSSES[base_name].guided:
+    if not loss_spec(config.loss).guided:
         return build_loss(config.loss, model, **sizing, **matryoshka), "resident"
     guide = SentenceTransformer(config.guide or model_path, device="cpu")
     guide.max_seq_length = config.max_seq_length

@@ -18,7 +18,8 @@ import yaml
 from transformers import HfArgumentParser
 
 from st_ext.cli.job import ConfigError, TrainConfig, run
-from st_ext.losses.registry import known_losses
+from st_ext.cli.settings import SettingError, convert_settings
+from st_ext.losses.registry import describe_losses
 
 EXIT_BAD_INPUT = 2
 
@@ -45,7 +46,9 @@ def build_parser(train_defaults: dict | None = None) -> argparse.ArgumentParser:
     # HfArgumentParser parses Union[int, str] as int; the mini-batch size may also be 'auto'.
     train._option_string_actions["--mini-batch-size"].type = positive_or_auto
     train.add_argument("--config", type=Path, default=None, help="YAML or JSON file of settings: keys as the flags, with _ for -")
-    train.add_argument("--list-losses", action="store_true", help="print the registered loss names and exit")
+    train.add_argument(
+        "--list-losses", action="store_true", help="print each registered loss with its input columns and exit"
+    )
     if train_defaults:
         train.set_defaults(**train_defaults)
     return parser
@@ -53,6 +56,8 @@ def build_parser(train_defaults: dict | None = None) -> argparse.ArgumentParser:
 
 def load_config_file(path: Path) -> dict:
     """Settings from a YAML/JSON file: a mapping whose keys are TrainConfig fields."""
+    if path.is_dir():
+        raise ConfigError(f"config: {path} is a directory; pass a YAML or JSON file.")
     if not path.is_file():
         raise ConfigError(f"config: {path} does not exist.")
     text = path.read_text()
@@ -71,21 +76,36 @@ def load_config_file(path: Path) -> dict:
     unknown = sorted(set(settings) - set(TrainConfig.field_names()))
     if unknown:
         raise ConfigError(f"config: unknown setting(s) {', '.join(unknown)}; known: {', '.join(TrainConfig.field_names())}.")
-    return settings
+    try:
+        return convert_settings(TrainConfig, settings, "config")
+    except SettingError as error:
+        raise ConfigError(str(error)) from None
+
+
+#: argparse names the command this way in its own errors ("st-ext train: error: ..."); st_ext's say the same.
+ERROR_PREFIX = "st-ext train: error:"
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
     namespace = build_parser().parse_args(argv)
     try:
         if namespace.list_losses:
-            print("\n".join(known_losses()))
+            print("\n".join(describe_losses()))
             return 0
         if namespace.config is not None:  # again, with the file's settings as the defaults the flags override
             namespace = build_parser(load_config_file(namespace.config)).parse_args(argv)
         run(TrainConfig(**{name: getattr(namespace, name) for name in TrainConfig.field_names()}))
     except ConfigError as error:
-        print(f"st-ext: error: {error}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(
+            f"st-ext train: interrupted; nothing was written to {namespace.output_dir}: it holds the previous "
+            "run's results, if any.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -79,6 +79,10 @@ class MiniBatchChoice:
         )
 
 
+class BudgetTooSmallError(ValueError):
+    """Not even a mini-batch of one row fits the memory budget."""
+
+
 class AutoMiniBatch:
     """The auto mode's state for one loss: its budget and its latest measured choice."""
 
@@ -131,10 +135,10 @@ class AutoMiniBatch:
         choice.size, choice.tried, choice.meter = plain, dict(series.peaks), series.meter
         if not plain:
             needed = series.peaks.get(1, -1)
-            raise ValueError(
+            raise BudgetTooSmallError(
                 f"mini_batch_size='auto': even a mini-batch of one row (the batch's longest, {longest} tokens) needs "
-                + (f"{needed / 2**20:.0f} MiB" if needed >= 0 else "more memory than is free")
-                + f", above the {budget / 2**20:.0f} MiB budget. Raise memory_budget_mb, shorten max_seq_length, "
+                + (_mib(needed) if needed >= 0 else "more memory than is free")
+                + f", above the {_mib(budget)} budget. Raise memory_budget_mb, shorten max_seq_length, "
                 "or enable gradient checkpointing."
             )
         if plain < rows and checkpointing.checkpointable_modules(model) and not checkpointing.is_enabled(model):
@@ -225,6 +229,12 @@ def _longest_first(sentence_features: Sequence[Features], layouts: Sequence[Colu
     if all(layouts[c].lengths is not None for c in columns):
         pairs.sort(key=lambda pair: -int(layouts[pair[0]].lengths[pair[1]]))
     return pairs
+
+
+def _mib(nbytes: float) -> str:
+    """MiB with enough digits that a small figure does not read as 0."""
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2g} MiB"
 
 
 def _device_of(sentence_features: Sequence[Features]) -> torch.device:

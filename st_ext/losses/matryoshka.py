@@ -23,9 +23,11 @@ layers (:mod:`st_ext.losses.adaptive_layer`), drawing each layer's dimensions he
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses
 from st_ext.losses._signatures import named_like_upstream
 from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, wrapped_model
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
 _upstream = st_losses()
@@ -159,6 +161,7 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         matryoshka_weights: Sequence[float] | Sequence[int] | None = None,
         n_dims_per_step: int = -1,
     ) -> None:
+        _check_inner_loss(model, loss)
         caches = cached_loss_view(loss) is not None or _is_cached_memory(loss)
         if not caches:
             super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
@@ -181,6 +184,28 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         view = cached_loss_view(self.loss)
         loss_fn = partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
         return gradcache_forward(view, sentence_features, labels, loss_fn)
+
+
+def _check_inner_loss(model: nn.Module, loss: Any) -> None:
+    """Refuse at construction what would fail (or silently not truncate) at the first step: something
+    that is not called as a loss, or a loss that embeds with another model than the one truncated."""
+    forward = getattr(loss, "forward", None)
+    try:
+        inspect.signature(forward).bind(object(), object())
+        callable_as_loss = isinstance(loss, nn.Module)
+    except (TypeError, ValueError):
+        callable_as_loss = False
+    if not callable_as_loss:
+        raise TypeError(
+            f"MatryoshkaLoss wraps a loss called as loss(sentence_features, labels), such as "
+            f"MultipleNegativesRankingLoss(model); got {type(loss).__name__}, which is not called that way."
+        )
+    inner_model = wrapped_model(loss)
+    if isinstance(inner_model, nn.Module) and inner_model is not model:
+        raise ValueError(
+            f"The wrapped {type(loss).__name__} was built for another model than the one MatryoshkaLoss truncates; "
+            "build both with the same model."
+        )
 
 
 def _is_cached_memory(loss: nn.Module) -> bool:

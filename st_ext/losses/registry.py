@@ -21,15 +21,27 @@ from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, Bat
 MATRYOSHKA_PREFIX = "matryoshka_"
 
 
+#: The input columns of the in-batch-negative ranking losses: pairs, optionally with hard negatives.
+PAIRS = "(anchor, positive[, negative_1, ...])"
+
+
 @dataclass(frozen=True)
 class LossSpec:
-    """How to build one base loss: ``build(model, **kwargs)``, and which shared arguments it takes."""
+    """How to build one base loss: ``build(model, **kwargs)``, which shared arguments it takes, and what
+    it trains on (``columns``, in order; a label column last where it takes one)."""
 
     build: Callable[..., nn.Module]
+    description: str
+    columns: str = PAIRS
     cached: bool = False
     guided: bool = False
-    # A memory bank holds full-size embeddings, so truncating them per Matryoshka dim is refused.
+    # A memory bank of a non-cached loss holds full-size embeddings that a Matryoshka wrapper cannot truncate.
     matryoshka: bool = True
+
+    @property
+    def trains_on_pairs(self) -> bool:
+        """Whether (anchor, positive) rows are enough, as ``st-ext train`` gives them."""
+        return self.columns == PAIRS
 
 
 def _upstream(class_name: str) -> Callable[..., nn.Module]:
@@ -37,26 +49,61 @@ def _upstream(class_name: str) -> Callable[..., nn.Module]:
     return lambda model, **kwargs: getattr(st_losses(), class_name)(model, **kwargs)
 
 
+_SCORED = "(sentence_A, sentence_B, score)"
+_TRIPLETS = "(anchor, positive, negative)"
+_LABELLED = "(text, label)"
+
 BASE_LOSSES: dict[str, LossSpec] = {
-    "mnrl": LossSpec(_upstream("MultipleNegativesRankingLoss")),
-    "cached_mnrl": LossSpec(CachedMultipleNegativesRankingLoss, cached=True),
-    "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss")),
-    "cached_mnsrl": LossSpec(CachedMultipleNegativesSymmetricRankingLoss, cached=True),
-    "gist": LossSpec(GISTEmbedLoss, guided=True),
-    "cached_gist": LossSpec(CachedGISTEmbedLoss, cached=True, guided=True),
-    "cosent": LossSpec(_upstream("CoSENTLoss")),
-    "angle": LossSpec(_upstream("AnglELoss")),
-    "cosine_similarity": LossSpec(_upstream("CosineSimilarityLoss")),
-    "triplet": LossSpec(_upstream("TripletLoss")),
-    "batch_all_triplet": LossSpec(BatchAllTripletLoss),
-    "batch_hard_triplet": LossSpec(BatchHardTripletLoss),
-    "batch_semi_hard_triplet": LossSpec(BatchSemiHardTripletLoss),
-    "xbm_mnrl": LossSpec(with_memory(_upstream("MultipleNegativesRankingLoss")), matryoshka=False),
-    "xbm_cached_mnrl": LossSpec(with_memory(CachedMultipleNegativesRankingLoss), cached=True, matryoshka=False),
-    "xbm_batch_all_triplet": LossSpec(with_memory(BatchAllTripletLoss), matryoshka=False),
-    "xbm_batch_hard_triplet": LossSpec(with_memory(BatchHardTripletLoss), matryoshka=False),
-    "xbm_batch_semi_hard_triplet": LossSpec(with_memory(BatchSemiHardTripletLoss), matryoshka=False),
+    "mnrl": LossSpec(_upstream("MultipleNegativesRankingLoss"), "in-batch negatives ranking (InfoNCE)"),
+    "cached_mnrl": LossSpec(CachedMultipleNegativesRankingLoss, "mnrl with GradCache: any batch in mini-batch memory", cached=True),
+    "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss"), "mnrl in both directions"),
+    "cached_mnsrl": LossSpec(
+        CachedMultipleNegativesSymmetricRankingLoss, "mnsrl with GradCache", cached=True
+    ),
+    "gist": LossSpec(GISTEmbedLoss, "mnrl whose guide model drops false negatives", guided=True),
+    "cached_gist": LossSpec(CachedGISTEmbedLoss, "gist with GradCache", cached=True, guided=True),
+    "cosent": LossSpec(_upstream("CoSENTLoss"), "ranks pairs by a similarity score", _SCORED),
+    "angle": LossSpec(_upstream("AnglELoss"), "cosent in angle space", _SCORED),
+    "cosine_similarity": LossSpec(_upstream("CosineSimilarityLoss"), "regresses cosine onto a score", _SCORED),
+    "triplet": LossSpec(_upstream("TripletLoss"), "margin between a positive and a negative", _TRIPLETS),
+    "batch_all_triplet": LossSpec(BatchAllTripletLoss, "every valid triplet of the batch's classes", _LABELLED),
+    "batch_hard_triplet": LossSpec(BatchHardTripletLoss, "the hardest positive and negative per anchor", _LABELLED),
+    "batch_semi_hard_triplet": LossSpec(BatchSemiHardTripletLoss, "semi-hard negatives per anchor", _LABELLED),
+    "xbm_mnrl": LossSpec(
+        with_memory(_upstream("MultipleNegativesRankingLoss")), "mnrl with a queue of earlier batches' documents",
+        matryoshka=False,
+    ),
+    "xbm_cached_mnrl": LossSpec(
+        with_memory(CachedMultipleNegativesRankingLoss), "cached_mnrl with a queue of earlier batches' documents",
+        cached=True,
+    ),
+    "xbm_batch_all_triplet": LossSpec(
+        with_memory(BatchAllTripletLoss), "batch_all_triplet with a queue of earlier rows", _LABELLED, matryoshka=False
+    ),
+    "xbm_batch_hard_triplet": LossSpec(
+        with_memory(BatchHardTripletLoss), "batch_hard_triplet with a queue of earlier rows", _LABELLED, matryoshka=False
+    ),
+    "xbm_batch_semi_hard_triplet": LossSpec(
+        with_memory(BatchSemiHardTripletLoss), "batch_semi_hard_triplet with a queue of earlier rows", _LABELLED,
+        matryoshka=False,
+    ),
 }
+
+
+def loss_spec(name: str) -> LossSpec:
+    """The spec of a known loss name (a ``matryoshka_`` name has its base loss's)."""
+    return BASE_LOSSES[name.removeprefix(MATRYOSHKA_PREFIX)]
+
+
+def describe_losses() -> list[str]:
+    """One line per known name: the name, its input columns and what it does."""
+    width = max(map(len, known_losses()))
+    lines = []
+    for name in known_losses():
+        spec = loss_spec(name)
+        description = spec.description + (", at every Matryoshka dimension" if name.startswith(MATRYOSHKA_PREFIX) else "")
+        lines.append(f"{name:<{width}}  {spec.columns:<38}  {description}")
+    return lines
 
 
 def known_losses() -> list[str]:
@@ -98,7 +145,10 @@ def build_loss(
         raise ValueError(f"Unknown loss {name!r}. Known losses: {', '.join(known_losses())}.")
     spec = BASE_LOSSES[base_name]
     if matryoshka and not spec.matryoshka:
-        raise ValueError(f"{base_name!r} keeps a memory of full-size embeddings and cannot be truncated; use it without {MATRYOSHKA_PREFIX!r}.")
+        raise ValueError(
+            f"{base_name!r} keeps a memory of full-size embeddings that a non-cached loss cannot truncate; use it "
+            f"without {MATRYOSHKA_PREFIX!r}, or its cached form."
+        )
     if not matryoshka and (matryoshka_dims is not None or matryoshka_weights is not None):
         raise ValueError(f"matryoshka_dims/weights given for {name!r}; use {MATRYOSHKA_PREFIX + name!r}.")
     if spec.guided:

@@ -96,19 +96,28 @@ def _parameter_ids_in(optimizers: Iterable[Any]) -> set[int]:
     return ids
 
 
+#: Methods of the released module itself that would read its (now meta) weights: saving would fail
+#: half-way with torch's meta-tensor error and leave a half-written folder, moving with the same error.
+GUARDED_METHODS = ("save", "save_pretrained", "save_to_hub", "push_to_hub", "to", "cuda", "cpu")
+
+
 def install_release_guard(module: nn.Module, record: ReleaseRecord) -> None:
-    """Make every call of the module or of any submodule raise :class:`ReleasedModuleError`.
+    """Make every call of the module or of any submodule raise :class:`ReleasedModuleError`, and so
+    saving or moving the module (:data:`GUARDED_METHODS`).
 
     On every submodule, not just the root: ``SentenceTransformer.encode`` calls ``self.forward``
     directly, which skips the root's hooks but not those of the modules it calls.
     """
     message = record.released_message()
 
-    def refuse_released(_module, _args):
+    def refuse_released(*_args, **_kwargs):
         raise ReleasedModuleError(message)
 
     for submodule in module.modules():
         record.guard_handles.append(submodule.register_forward_pre_hook(refuse_released))
+    for name in GUARDED_METHODS:
+        if hasattr(module, name):
+            module.__dict__[name] = refuse_released
     module.__dict__[_RECORD_ATTRIBUTE] = record
 
 
@@ -117,6 +126,8 @@ def remove_release_guard(module: nn.Module) -> None:
     ``module.to_empty(device=...)`` and ``load_state_dict``."""
     record = module.__dict__.pop(_RECORD_ATTRIBUTE, None)
     if record is not None:
+        for name in GUARDED_METHODS:
+            module.__dict__.pop(name, None)
         for handle in record.guard_handles:
             handle.remove()
         record.guard_handles.clear()

@@ -291,6 +291,10 @@ def _step(referrer: Any, child: Any) -> tuple[str | None, Any]:
     ``referrer`` names the holder well enough)."""
     if isinstance(referrer, types.CellType):
         return _closure_step(referrer)
+    if isinstance(referrer, (dict, tuple)):
+        default = _default_argument_step(referrer, child)
+        if default is not None:
+            return default
     if isinstance(referrer, (dict, list, tuple)):
         return _container_step(referrer, child)
     if isinstance(referrer, (types.FunctionType, types.MethodType)):
@@ -309,6 +313,23 @@ def _closure_step(cell: types.CellType) -> tuple[str | None, Any]:
                 variable = function.__code__.co_freevars[closure.index(cell)]
                 return f"closure variable {variable!r} of {function.__qualname__}()", function
     return "closure variable", cell
+
+
+def _default_argument_step(defaults: tuple | dict, child: Any) -> tuple[str, Any] | None:
+    """``default argument 'w' of f()`` when ``defaults`` is a function's ``__defaults__`` (or
+    ``__kwdefaults__``), as in ``lambda module, args, w=weight: ...``; climbs on from the function."""
+    for function in gc.get_referrers(defaults):
+        if not isinstance(function, types.FunctionType):
+            continue
+        if function.__defaults__ is defaults:
+            code = function.__code__
+            names = code.co_varnames[: code.co_argcount]
+            index = next(index for index, value in enumerate(defaults) if value is child)
+            return f"default argument {names[len(names) - len(defaults) + index]!r} of {function.__qualname__}()", function
+        if function.__kwdefaults__ is defaults:
+            name = next(key for key, value in defaults.items() if value is child)
+            return f"default argument {name!r} of {function.__qualname__}()", function
+    return None
 
 
 def _container_step(container: dict | list | tuple, child: Any) -> tuple[str, Any]:
