@@ -32,7 +32,13 @@ def tiny_run_args(model_dir, data, output_dir, *extra):
 
 def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_path, capsys):
     output = tmp_path / "run"
-    assert main(tiny_run_args(tiny_bert_dir, pairs_file, output, "--loss", "matryoshka_cached_mnrl")) == 0
+    previous_umask = os.umask(0o022)
+    try:
+        assert main(tiny_run_args(tiny_bert_dir, pairs_file, output, "--loss", "matryoshka_cached_mnrl")) == 0
+    finally:
+        os.umask(previous_umask)
+    written = [output / "model", output / "model" / "modules.json", output / "metrics.json", output / "ndcg_by_dim.png"]
+    assert [oct(path.stat().st_mode & 0o777) for path in written] == ["0o755", "0o644", "0o644", "0o644"], "the user's umask"
     printed = capsys.readouterr().out
     assert "recall@10" in printed and str(output / "ndcg_by_dim.png") in printed
     metrics = json.loads((output / "metrics.json").read_text())
