@@ -280,6 +280,15 @@ def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
+def fsdp2_module_class() -> type | None:
+    """PyTorch's ``FSDPModule`` (what ``fully_shard`` turns a module into, FSDP2), or None on a torch without it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
     """sentence-transformers' differentiable all-gather, or None where the installed release lacks it."""
     return getattr(st_util, "all_gather_with_grad", None)

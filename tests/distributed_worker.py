@@ -1,8 +1,9 @@
 """The script ``tests/test_distributed.py`` launches with torchrun: 2 ranks, gloo, CPU.
 
 ``losses`` mode: for each loss case, one manual DDP training step (two for the cross-batch memory)
-on this rank's share of a fixed global batch; each rank saves its loss values, the gradients after
-DDP's all-reduce and the updated parameters, for the test to compare with a single process
+on this rank's share of a fixed global batch, and the same steps with the model sharded by FSDP2
+(``fully_shard``) instead; each rank saves its loss values, the gradients after the ranks' reduction
+and the updated parameters, for the test to compare with a single process
 (:func:`single_process_run`, run by the test itself from the same definitions). Then two DDP
 settings that fail: ``find_unused_parameters=False`` with BERT's unused pooler, and re-entrant
 checkpointing with ``find_unused_parameters=True``.
@@ -307,6 +308,53 @@ def ddp_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     return records
 
 
+# The FSDP2 side
+
+
+def fsdp2_available() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def shard_with_fsdp2(model: nn.Module) -> nn.Module:
+    """``fully_shard`` as one shards a transformer: each encoder layer, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model[0].auto_model.encoder.layer:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter or gradient (a DTensor) gathered whole."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
+    """The case's steps with the model sharded by FSDP2 across the ranks (no DDP); each rank records the
+    gathered gradients and parameters, which FSDP2 averages across ranks as DDP does."""
+    case = CASES[case_name]
+    rank = dist.get_rank()
+    model = load_model(model_dir, case.checkpointing)
+    loss = case.build(model, load_guide(guide_dir))
+    shard_with_fsdp2(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    records = []
+    for step in range(case.steps):
+        record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
+        record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record["params"] = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
+        memory = memory_of(loss)
+        record["memory"] = None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+        records.append(record)
+    return records
+
+
 def without_unused_parameter_detection(model_dir: Path) -> dict:
     """Two steps under DDP with find_unused_parameters=False, on a model whose BERT pooler the loss
     never uses: the gradient of one used weight after the first step, and the error of the second.
@@ -356,6 +404,8 @@ def run_loss_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_names:
     assert dist.get_world_size() == WORLD_SIZE, "launch with --nproc_per_node 2"
     for name in case_names:
         torch.save(ddp_run(name, model_dir, guide_dir), out_dir / f"{name}-rank{rank}.pt")
+        if fsdp2_available():
+            torch.save(fsdp2_run(name, model_dir, guide_dir), out_dir / f"{name}-fsdp2-rank{rank}.pt")
     # The failure cases go last, each leaving its DDP reducer mid-iteration.
     torch.save(without_unused_parameter_detection(model_dir), out_dir / f"no-unused-detection-rank{rank}.pt")
     torch.save({"error": reentrant_checkpointing_error(model_dir)}, out_dir / f"reentrant-rank{rank}.pt")

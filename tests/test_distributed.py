@@ -169,6 +169,19 @@ def test_ddp_step_matches_single_process(name, loss_run, model_dirs):
         assert_same_step(step_ranks, expected, worker.CASES[name].gathered, step)
 
 
+@pytest.mark.parametrize("name", LOSS_CASES)
+def test_fsdp2_step_matches_single_process(name, loss_run, model_dirs):
+    """With the model sharded by FSDP2 (``fully_shard`` per layer and on the model), the cached losses'
+    per-mini-batch replay gives the gradients and update of the same single-process step."""
+    require_available(name)
+    if not worker.fsdp2_available():
+        pytest.skip(f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    ranks = rank_results(loss_run, f"{name}-fsdp2")
+    reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
+    for step, expected in enumerate(reference):
+        assert_same_step([steps[step] for steps in ranks], expected, worker.CASES[name].gathered, step)
+
+
 @pytest.mark.parametrize("name", GATHER_CASES)
 def test_gathering_changes_the_step(name, loss_run):
     """Gathered and per-rank negatives give different updates, so the comparisons above can tell them apart."""

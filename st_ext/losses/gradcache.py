@@ -40,7 +40,7 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext import checkpointing
-from st_ext._compat import st_modules
+from st_ext._compat import fsdp2_module_class, st_modules
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     Features,
@@ -215,7 +215,7 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
     """Step (3), a hook on the loss: re-embed each mini-batch with a graph, back-propagate its cached gradients.
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
-    gradient-accumulation divisor), so every mini-batch receives it. Under DDP only the last
+    gradient-accumulation divisor), so every mini-batch receives it. Under DDP and FSDP2 only the last
     mini-batch synchronises gradients.
     """
     last = len(replay.plan.minibatches) - 1
@@ -262,9 +262,24 @@ def _checkpointed(model: nn.Module, on: bool):
 
 
 def _sync_unless_last(model: nn.Module, last: bool):
+    """Gradients are reduced across ranks once per step, by the last mini-batch's backward: DDP's
+    ``no_sync`` before it; FSDP2 (``fully_shard``) accumulates unsharded gradients until it, then
+    reduce-scatters them."""
     if isinstance(model, DistributedDataParallel) and not last:
         return model.no_sync()
+    fsdp_module = fsdp2_module_class()
+    if fsdp_module is not None and isinstance(model, fsdp_module):
+        return _fsdp2_gradient_sync(model, last)
     return nullcontext()
+
+
+@contextmanager
+def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def gradcache_forward(
