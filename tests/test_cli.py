@@ -239,6 +239,18 @@ def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pa
     assert err == f"st-ext train: interrupted; nothing was written to {tmp_path / 'run'}: it holds the previous run's results, if any."
 
 
+def test_max_pairs_caps_only_the_built_in_pairs(tmp_path):
+    from st_ext.cli.job import TrainConfig, load_pairs
+
+    rows = [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(1000)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows))
+    assert len(load_pairs(TrainConfig(data=str(data)))) == 1000
+    assert len(load_pairs(TrainConfig(data=str(data), max_pairs=300))) == 300
+    assert len(load_pairs(TrainConfig())) == 600
+    assert len(load_pairs(TrainConfig(max_pairs=0))) > 600
+
+
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):
     empty = tmp_path / "empty.csv"
     empty.write_text("anchor,positive\n")

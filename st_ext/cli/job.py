@@ -33,6 +33,8 @@ from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
 from st_ext.training.trainer import SentenceTransformerTrainer
 
 DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+#: How many of the built-in pairs the demo trains on unless told otherwise (a few minutes on a CPU).
+DEMO_PAIRS = 600
 #: A folder holding one of these is something SentenceTransformer(folder) can load.
 LOADABLE_MODEL_FILES = ("modules.json", "config.json")
 
@@ -53,7 +55,9 @@ class TrainConfig:
     data: str | None = field(default=None, metadata={"help": "JSONL/CSV/Parquet file of pairs; unset: the built-in standard-library pairs"})
     anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
     positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
-    max_pairs: int | None = field(default=600, metadata={"help": "use at most this many pairs (0: all)"})
+    max_pairs: int | None = field(
+        default=None, metadata={"help": "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"}
+    )
     eval_fraction: float = field(default=0.2, metadata={"help": "share of the pairs held out for evaluation"})
     loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size (in-batch negatives)"})
@@ -195,12 +199,13 @@ def _check_ranges(config: TrainConfig) -> None:
 def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
     """Anchor/positive pairs from the data file, or the built-in ones; checked for columns and content."""
     if config.data is None:
-
         pairs = stdlib_pairs()
+        limit = DEMO_PAIRS if config.max_pairs is None else config.max_pairs
     else:
         pairs = _read_pairs_file(Path(config.data), config.anchor_column, config.positive_column)
-    if config.max_pairs:
-        pairs = pairs[: config.max_pairs]
+        limit = config.max_pairs
+    if limit:
+        pairs = pairs[:limit]
     if len(pairs) < 10:
         raise ConfigError(f"data: {len(pairs)} usable pairs; need at least 10 to train and evaluate.")
     return pairs
