@@ -15,6 +15,8 @@ Figures are *above the level on entry*: memory already held before the block doe
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
@@ -89,12 +91,34 @@ def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
 
     result = PeakMemory(device=device, meter=CPU_METER)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    prof.start()
+    with _native_stderr_silenced():
+        prof.start()
     try:
         yield result
     finally:
-        prof.stop()
+        with _native_stderr_silenced():
+            prof.stop()
         result.peak_bytes = peak_of_allocation_events(profiler_cpu_memory_events(prof))
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The profiler's C++ side writes two lines per window to file descriptor 2 ("USDT ...
+    profiler_start/stop", and on stop a warning about blocks allocated before the window); a run that
+    measures every step would print them by the dozen. Python's own ``sys.stderr`` is untouched."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real descriptor 2 (an embedded interpreter)
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -69,3 +71,14 @@ def test_cuda_meter_sees_a_known_allocation():
         del block
     assert peak.meter == CUDA_METER
     assert 8 * MIB <= peak.peak_bytes < 8 * MIB + 2 * MIB
+
+
+def test_the_cpu_meter_prints_nothing_of_its_own(capfd):
+    """The profiler's native start/stop lines ("USDT ... profiler_start") stay off the console."""
+    with measure_peak("cpu") as peak:
+        torch.ones(4096).sum()
+    print("after the window", file=sys.stderr)
+    captured = capfd.readouterr()
+    assert "profiler_st" not in captured.err + captured.out and "USDT" not in captured.err + captured.out
+    assert "after the window" in captured.err, "the descriptor is restored"
+    assert peak.peak_bytes >= 0
