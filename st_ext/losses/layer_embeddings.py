@@ -27,9 +27,11 @@ ChooseLayers = Callable[[int], Sequence[int]]
 
 def unwrapped_model(model: nn.Module) -> nn.Module:
     """The SentenceTransformer inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    while not isinstance(model, nn.Sequential):
+        inner = getattr(model, "_orig_mod", None)
         if inner is None:
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
             break
         model = inner
     return model
