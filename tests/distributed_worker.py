@@ -503,6 +503,11 @@ def run_training_scripts(model_dir: Path, classifier_dir: Path, out_dir: Path) -
         "cross_encoder": run_and_report(train_cross_encoder, classifier_dir, out_dir / "ce"),
     }
     (out_dir / f"train-rank{rank}.json").write_text(json.dumps(reports))
+    # The trainers' process group, left open, can abort the interpreter's exit ("terminate called without
+    # an active exception") while its threads are torn down.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -67,13 +67,13 @@ def test_each_layer_queues_its_own_documents(model4):
     memory = memory_over_cached(model4, 3)
     loss = losses.AdaptiveLayerLoss(model4, memory, n_layers_per_step=-1)
     columns = text_columns(BATCH, 3)
-    fill_features = features_of(model4, columns)
     model4.eval()
     loss(features_of(model4, columns), None).backward()
 
+    # Each document column embedded on its own, through every layer the loss sampled.
     encoder = LayerEmbeddings(lambda num_hidden_states: sorted(memory.layer_memory))
     with torch.no_grad():
-        documents = [encoder(model4, dict(features)) for features in fill_features[1:]]
+        documents = [encoder(model4, features) for features in features_of(model4, columns[1:])]
     sampled = len(model4[0].auto_model.encoder.layer) - AdaptiveLayerRules.first_hidden_state
     assert len(memory.layer_memory) == sampled
     torch.testing.assert_close(memory.memory.embeddings, torch.cat([outputs[0] for outputs in documents]))
@@ -93,6 +93,8 @@ def test_evaluation_leaves_the_queues_alone(model4):
     after = memory.memory_state()
     assert before.keys() == after.keys() and before["layers"].keys() == after["layers"].keys()
     assert torch.equal(before["embeddings"], after["embeddings"])
+    for layer, state in before["layers"].items():
+        assert torch.equal(state["embeddings"], after["layers"][layer]["embeddings"]), layer
 
 
 def test_layer_queues_survive_a_state_round_trip(model4, tmp_path):
@@ -108,6 +110,30 @@ def test_layer_queues_survive_a_state_round_trip(model4, tmp_path):
     assert not restored.layer_memory and restored.memory.rows == 0
 
 
+@pytest.mark.parametrize("wrapper", ["matryoshka", "matryoshka-2d"])
+def test_the_queue_is_normalised_like_the_batch_at_every_dimension(model4, wrapper):
+    """Matryoshka normalises the batch's embeddings at every dimension, the full one included: so is the
+    queue, whatever the similarity (a raw queue of norm 3 under dot products would be another loss)."""
+    from sentence_transformers.util import dot_score
+
+    def memory():
+        inner = losses.CachedMultipleNegativesRankingLoss(model4, mini_batch_size=3, similarity_fct=dot_score)
+        return losses.CrossBatchMemoryLoss(model4, inner, memory_size=64)
+
+    raw, normalised = memory(), memory()
+    queued = torch.randn(12, 32) * 3
+    keys = torch.arange(100, 112)
+    state = {**raw.memory_state(), "embeddings": queued, "labels": keys}
+    raw.load_memory_state(state)
+    normalised.load_memory_state({**state, "embeddings": torch.nn.functional.normalize(queued, dim=-1)})
+    build = {
+        "matryoshka": lambda inner: losses.MatryoshkaLoss(model4, inner, [32]),
+        "matryoshka-2d": lambda inner: losses.Matryoshka2dLoss(model4, inner, [32], kl_temperature=0.0),
+    }[wrapper]
+    columns = text_columns(BATCH, 2)
+    assert_losses_agree(model4, build(raw), build(normalised), columns, train=False)
+
+
 @pytest.mark.parametrize(
     "inner",
     [
@@ -116,7 +142,7 @@ def test_layer_queues_survive_a_state_round_trip(model4, tmp_path):
     ],
     ids=["triplet", "non-cached-mnrl"],
 )
-def test_a_memory_layer_wise_losses_cannot_queue_per_layer_is_refused(model4, inner):
+def test_a_memory_that_cannot_keep_one_queue_per_layer_is_refused(model4, inner):
     memory = losses.CrossBatchMemoryLoss(model4, inner(model4))
     with pytest.raises(TypeError, match="CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only"):
         losses.AdaptiveLayerLoss(model4, memory)

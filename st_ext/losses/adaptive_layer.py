@@ -22,7 +22,8 @@ the installed release (:class:`st_ext._compat.AdaptiveLayerRules`) and are follo
 
 Over ``CrossBatchMemoryLoss`` (around a cached ranking loss) each layer ranks against its own queue
 of that layer's embeddings from earlier steps (:mod:`st_ext.losses.layerwise_inner`). Over a loss
-that does not cache, both classes are upstream's, unchanged.
+that does not cache, upstream's forward runs; ``Matryoshka2dLoss`` builds st_ext's ``MatryoshkaLoss``
+(with its argument checks), and a memory around a non-cached loss is refused.
 """
 
 from __future__ import annotations
@@ -44,14 +45,9 @@ from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
 from st_ext.losses.layerwise_inner import LayerwiseInner, layerwise_inner, runs_layerwise
-from st_ext.losses.matryoshka import MatryoshkaLoss
+from st_ext.losses.matryoshka import PLACEHOLDER_LOSS, MatryoshkaLoss
 
 _upstream = st_losses()
-
-#: Stands in for a cached loss while upstream's constructor runs, so that it neither warns about nor
-#: inspects a loss that st_ext runs itself.
-_PLACEHOLDER_LOSS = nn.Module
-
 
 # ---------------------------------------------------------------------------------------------
 # One step: the layers drawn, and the loss over their embeddings
@@ -99,6 +95,8 @@ class LayerStep:
         wrapper = self.wrapper
         final, layers = outputs[0], outputs[1:]
         term = partial(weighted_term, frozen=frozen, labels=labels, with_backward=with_backward)
+        if self.final_fn is None:  # no forward pass ran: an empty batch
+            raise ValueError(f"{type(wrapper).__name__} got an empty batch.")
         total = term(self.final_fn, final, weight=wrapper.last_layer_weight)
         for (layer_weight, loss_fn), reps in zip(self.prior, layers):
             total = total + term(loss_fn, reps, weight=layer_weight / len(layers) * wrapper.prior_layers_weight)
@@ -135,7 +133,7 @@ class LayerwiseGradCache:
         layerwise = runs_layerwise(loss)
         if not layerwise:
             _refuse_cross_batch_memory(type(self).__name__, loss)
-        _upstream.AdaptiveLayerLoss.__init__(self, model, _PLACEHOLDER_LOSS() if layerwise else loss, **arguments)
+        _upstream.AdaptiveLayerLoss.__init__(self, model, PLACEHOLDER_LOSS() if layerwise else loss, **arguments)
         self.loss = loss
         self.uses_gradient_cache = layerwise
 

@@ -262,7 +262,8 @@ def check_ranking_columns(loss: nn.Module, sentence_features: list[Features]) ->
         )
 
 
-#: Turns a loss over embeddings into another (a MatryoshkaLoss around the memory truncates with one).
+#: A MatryoshkaLoss around the memory: turns the loss over embeddings into the loss over every truncation
+#: of them (the queue is then truncated alike, :func:`memory_ranking_fn`).
 LossTransform = Callable[[Callable[..., Tensor]], Callable[..., Tensor]]
 
 
@@ -299,16 +300,22 @@ def ranking_step(
 
 
 def memory_ranking_fn(
-    bank: MemoryBank, positive_keys: Tensor | None, view: Any, settings: dict[str, Any]
+    bank: MemoryBank,
+    positive_keys: Tensor | None,
+    view: Any,
+    settings: dict[str, Any],
+    *,
+    truncated: bool = False,
 ) -> Callable[..., Tensor]:
     """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates (GradCache's
-    loss-over-embeddings contract). A queue wider than the batch's embeddings (a Matryoshka dimension of a
-    layer-wise loss) is truncated and re-normalised as the batch's embeddings were."""
+    loss-over-embeddings contract). With ``truncated`` (a Matryoshka loss around the memory, which
+    truncates and re-normalises the batch's embeddings at every dimension, the full one included), the
+    queue is truncated and re-normalised the same way."""
 
     def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-        dim = reps[0][0].shape[-1]
         queue = bank
-        if bank.rows and bank.embeddings.shape[-1] > dim:
+        if truncated and bank.rows:
+            dim = reps[0][0].shape[-1]
             queue = MemoryBank(F.normalize(bank.embeddings[:, :dim], p=2, dim=-1), bank.labels)
         memory_embeddings, memory_keys = memory_like(queue, reps[0][0])
         return ranking_loss(
@@ -344,7 +351,7 @@ def cached_ranking_step(
     if run is None:
         raise TypeError(f"{type(loss).__name__} has no cached-loss adapter; see st_ext.losses.cached_adapters.")
     documents: list[Tensor] = []
-    with_memory = memory_ranking_fn(bank, positive_keys, run, settings)
+    with_memory = memory_ranking_fn(bank, positive_keys, run, settings, truncated=transform is not None)
     if transform is not None:
         with_memory = transform(with_memory)
 

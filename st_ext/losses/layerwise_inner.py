@@ -11,6 +11,9 @@ each sampled layer, on embeddings GradCache cached. What that takes depends on t
   earlier steps' embeddings of that layer (the final layer against the usual one), and after the
   step each layer's documents join its queue. One queue for all layers would put final-layer
   embeddings among an earlier layer's candidates: another embedding space, negatives in name only.
+  A layer's queue grows only on steps that sample it (with ``n_layers_per_step=1`` of L layers,
+  about L times more slowly than the final one, so its rows are older), and every queue holds up to
+  ``memory_size`` rows: (sampled layers + 1) × ``memory_size`` embeddings in all.
 
 Anything else is left to upstream's wrapper (:func:`runs_layerwise` is False).
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from st_ext.losses.cached_adapters import cached_loss_view
@@ -35,6 +39,7 @@ from st_ext.losses.cross_batch_memory import (
 )
 from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Reps
 from st_ext.losses.matryoshka import MatryoshkaLoss, dims_for_step, matryoshka_loss_from_embeddings
+
 
 def _no_finish(layers: list, outputs: list[Reps]) -> None:
     return None
@@ -73,7 +78,7 @@ def layerwise_inner(loss: nn.Module, sentence_features: list[Features]) -> Layer
     """``loss`` for one forward pass over ``sentence_features``; only for a loss that :func:`runs_layerwise`."""
     matryoshka, base = _parts(loss)
     if isinstance(base, CrossBatchMemoryLoss):
-        inner = _with_memory(base, sentence_features)
+        inner = _with_memory(base, sentence_features, truncated=matryoshka is not None)
     else:
         view = cached_loss_view(base)
         inner = LayerwiseInner(view, lambda layer: view.loss_from_embeddings)
@@ -88,7 +93,21 @@ def layerwise_inner(loss: nn.Module, sentence_features: list[Features]) -> Layer
     return replace(inner, draw=draw_dims)
 
 
-def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features]) -> LayerwiseInner:
+def _check_same_layers_on_every_rank(layers: list) -> None:
+    """Every rank's documents join the queue of the layer each rank drew; ranks that drew differently
+    (Python's ``random`` seeded differently) would mix layers in one queue without any shape error."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    drawn: list = [None] * dist.get_world_size()
+    dist.all_gather_object(drawn, layers)
+    if any(other != layers for other in drawn):
+        raise RuntimeError(
+            f"The ranks sampled different layers ({drawn}): each layer's cross-batch memory would mix them. Seed "
+            "Python's random module alike on every rank (the Trainer's seed does), or set n_layers_per_step=-1."
+        )
+
+
+def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features], *, truncated: bool) -> LayerwiseInner:
     check_ranking_columns(memory.loss, sentence_features)
     view = cached_loss_view(memory.loss)
     training = torch.is_grad_enabled()
@@ -97,11 +116,13 @@ def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features]
     settings = {"scale": memory.loss.scale, "similarity_fct": memory.loss.similarity_fct}
 
     def draw(layer: int | None) -> LossFn:
-        return memory_ranking_fn(memory.bank(layer) if training else MemoryBank(), positive_keys, view, settings)
+        bank = memory.bank(layer) if training else MemoryBank()
+        return memory_ranking_fn(bank, positive_keys, view, settings, truncated=truncated)
 
     def finish(layers: list, outputs: list[Reps]) -> None:
         if not training:
             return
+        _check_same_layers_on_every_rank(layers)
         for layer, reps in zip(layers, outputs):
             documents = document_rows(reps)
             memory.push(layer, documents, torch.cat(keys).to(documents.device))

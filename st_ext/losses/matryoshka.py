@@ -92,9 +92,9 @@ def matryoshka_loss_from_embeddings(
 # The losses
 
 
-#: Stands in for a cached loss while upstream's constructor runs its checks, so that upstream's
-#: constructor never sees, and never decorates, the cached loss itself.
-_PLACEHOLDER_LOSS = nn.Module
+#: Stands in for a cached loss while upstream's constructor runs its checks (here and in the layer-wise
+#: wrappers), so that upstream's constructor never sees, warns about or decorates the cached loss itself.
+PLACEHOLDER_LOSS = nn.Module
 
 
 @named_like_upstream(_upstream.MatryoshkaLoss)
@@ -167,7 +167,7 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
             super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
         else:
             # Upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
-            super().__init__(model, _PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
+            super().__init__(model, PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
             self.loss = loss
         self.uses_gradient_cache = caches
 
