@@ -255,11 +255,29 @@ def check_ranking_options(loss: nn.Module) -> None:
         )
 
 
-def check_ranking_columns(loss: nn.Module, sentence_features: list[Features]) -> None:
+@dataclass(frozen=True)
+class RankingBatch:
+    """What a ranking step with the queue takes from its batch and loss: each document column's row keys,
+    the keys left out of each anchor's softmax (None without ``mask_own_positive``), and the wrapped
+    loss's scale and similarity."""
+
+    keys: list[Tensor]
+    positive_keys: Tensor | None
+    settings: dict[str, Any]
+
+    def row_keys(self, device: torch.device) -> Tensor:
+        """The keys of every document row, in the order the documents are enqueued."""
+        return torch.cat(self.keys).to(device)
+
+
+def ranking_batch(loss: nn.Module, sentence_features: list[Features], mask_own_positive: bool) -> RankingBatch:
     if len(sentence_features) < 2:
         raise ValueError(
             f"{type(loss).__name__} needs (anchor, positive, negative_1, ...) columns, got {len(sentence_features)} column(s)."
         )
+    keys = [document_keys(features) for features in sentence_features[1:]]
+    settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
+    return RankingBatch(keys, keys[0] if mask_own_positive else None, settings)
 
 
 #: A MatryoshkaLoss around the memory: turns the loss over embeddings into the loss over every truncation
@@ -277,12 +295,9 @@ def ranking_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss value, documents to enqueue, their keys) for MNRL or cached MNRL with the queue; ``transform``
     applies to the cached loss's loss over embeddings."""
-    check_ranking_columns(loss, sentence_features)
-    keys = [document_keys(features) for features in sentence_features[1:]]
-    positive_keys = keys[0] if mask_own_positive else None
-    settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
+    batch = ranking_batch(loss, sentence_features, mask_own_positive)
     if is_gradient_caching(loss):
-        value, documents = cached_ranking_step(loss, sentence_features, bank, positive_keys, settings, transform)
+        value, documents = cached_ranking_step(loss, sentence_features, bank, batch, transform)
     else:
         embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
         memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
@@ -290,23 +305,16 @@ def ranking_step(
             [[embedding] for embedding in embeddings],
             memory_embeddings,
             memory_keys,
-            positive_keys,
+            batch.positive_keys,
             chunk_size=len(embeddings[0]),
             with_backward=False,
-            **settings,
+            **batch.settings,
         )
         documents = torch.cat(embeddings[1:]).detach()
-    return value, documents, torch.cat(keys).to(documents.device)
+    return value, documents, batch.row_keys(documents.device)
 
 
-def memory_ranking_fn(
-    bank: MemoryBank,
-    positive_keys: Tensor | None,
-    view: Any,
-    settings: dict[str, Any],
-    *,
-    truncated: bool = False,
-) -> Callable[..., Tensor]:
+def memory_ranking_fn(bank: MemoryBank, batch: RankingBatch, view: Any, *, truncated: bool = False) -> Callable[..., Tensor]:
     """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates (GradCache's
     loss-over-embeddings contract). With ``truncated`` (a Matryoshka loss around the memory, which
     truncates and re-normalises the batch's embeddings at every dimension, the full one included), the
@@ -322,11 +330,11 @@ def memory_ranking_fn(
             reps,
             memory_embeddings,
             memory_keys,
-            positive_keys,
+            batch.positive_keys,
             chunk_size=view.mini_batch_size,
             with_backward=with_backward,
             show_progress_bar=view.show_progress_bar,
-            **settings,
+            **batch.settings,
         )
 
     return loss_with_memory
@@ -336,8 +344,7 @@ def cached_ranking_step(
     loss: nn.Module,
     sentence_features: list[Features],
     bank: MemoryBank,
-    positive_keys: Tensor | None,
-    settings: dict[str, Any],
+    batch: RankingBatch,
     transform: LossTransform | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GradCache with the queue inside the loss over embeddings; also returns the no-grad documents.
@@ -351,7 +358,7 @@ def cached_ranking_step(
     if run is None:
         raise TypeError(f"{type(loss).__name__} has no cached-loss adapter; see st_ext.losses.cached_adapters.")
     documents: list[Tensor] = []
-    with_memory = memory_ranking_fn(bank, positive_keys, run, settings, truncated=transform is not None)
+    with_memory = memory_ranking_fn(bank, batch, run, truncated=transform is not None)
     if transform is not None:
         with_memory = transform(with_memory)
 

@@ -32,10 +32,9 @@ from st_ext.losses.cached_adapters import cached_loss_view
 from st_ext.losses.cross_batch_memory import (
     CrossBatchMemoryLoss,
     MemoryBank,
-    check_ranking_columns,
-    document_keys,
     document_rows,
     memory_ranking_fn,
+    ranking_batch,
 )
 from st_ext.losses.gradcache import CachedLoss, Features, LossFn, Reps
 from st_ext.losses.matryoshka import MatryoshkaLoss, dims_for_step, matryoshka_loss_from_embeddings
@@ -108,16 +107,13 @@ def _check_same_layers_on_every_rank(layers: list) -> None:
 
 
 def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features], *, truncated: bool) -> LayerwiseInner:
-    check_ranking_columns(memory.loss, sentence_features)
+    batch = ranking_batch(memory.loss, sentence_features, memory.mask_own_positive)
     view = cached_loss_view(memory.loss)
     training = torch.is_grad_enabled()
-    keys = [document_keys(features) for features in sentence_features[1:]]
-    positive_keys = keys[0] if memory.mask_own_positive else None
-    settings = {"scale": memory.loss.scale, "similarity_fct": memory.loss.similarity_fct}
 
     def draw(layer: int | None) -> LossFn:
         bank = memory.bank(layer) if training else MemoryBank()
-        return memory_ranking_fn(bank, positive_keys, view, settings, truncated=truncated)
+        return memory_ranking_fn(bank, batch, view, truncated=truncated)
 
     def finish(layers: list, outputs: list[Reps]) -> None:
         if not training:
@@ -125,6 +121,6 @@ def _with_memory(memory: CrossBatchMemoryLoss, sentence_features: list[Features]
         _check_same_layers_on_every_rank(layers)
         for layer, reps in zip(layers, outputs):
             documents = document_rows(reps)
-            memory.push(layer, documents, torch.cat(keys).to(documents.device))
+            memory.push(layer, documents, batch.row_keys(documents.device))
 
     return LayerwiseInner(view, draw, finish)

@@ -111,9 +111,9 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
       GradCache base such as ``MegaBatchMarginLoss``; every loss registered in
       :mod:`st_ext.losses.cached_adapters`): GradCache runs here (see the module
       docstring). ``CrossBatchMemoryLoss`` over a cached ranking loss too: its queue of full-size
-      embeddings is truncated and re-normalised with the batch at every dimension. Peak memory does not grow with the number of dimensions; the wrapped instance
-      can be wrapped again or used bare; ``n_dims_per_step`` is honoured (4.x's upstream ignores
-      it for cached losses).
+      embeddings is truncated and re-normalised with the batch at every dimension. Peak memory
+      does not grow with the number of dimensions; the wrapped instance can be wrapped again or
+      used bare; ``n_dims_per_step`` is honoured (4.x's upstream ignores it for cached losses).
     * Every other loss: upstream's implementation, unchanged.
 
     Args:
