@@ -280,6 +280,19 @@ def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
     return events
 
 
+def unwrapped_model(model: nn.Module) -> nn.Module:
+    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (its private
+    ``._orig_mod``) wrappers, however nested."""
+    while not isinstance(model, nn.Sequential):
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
 def fsdp2_module_class() -> type | None:
     """PyTorch's ``FSDPModule`` (what ``fully_shard`` turns a module into, FSDP2), or None on a torch without it."""
     try:

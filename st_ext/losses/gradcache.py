@@ -40,7 +40,7 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext import checkpointing
-from st_ext._compat import fsdp2_module_class, st_modules
+from st_ext._compat import fsdp2_module_class, st_modules, unwrapped_model
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     Features,
@@ -137,7 +137,7 @@ def embeds_with_static_embedding(model: nn.Module) -> bool:
     route behind a ``Router``/``Asym``: its features are one flat bag of token ids with offsets, which
     cannot be split into mini-batches."""
     static_embedding = getattr(st_modules(), "StaticEmbedding", None)
-    model = getattr(model, "_orig_mod", getattr(model, "module", model))
+    model = unwrapped_model(model)
     if static_embedding is None or not isinstance(model, nn.Sequential) or not len(model):
         return False
     first = model[0]

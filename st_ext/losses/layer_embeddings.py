@@ -19,22 +19,11 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
+from st_ext._compat import unwrapped_model
 from st_ext.losses.features import Features
 
 #: Chooses the hidden-state indices to embed, given how many hidden states the model has (layers + 1).
 ChooseLayers = Callable[[int], Sequence[int]]
-
-
-def unwrapped_model(model: nn.Module) -> nn.Module:
-    """The SentenceTransformer inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while not isinstance(model, nn.Sequential):
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None:
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
 
 
 @contextmanager
