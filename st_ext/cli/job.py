@@ -146,23 +146,23 @@ def _max_positions(model_path: Path) -> int | None:
 def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
     """A setting the chosen loss would ignore is a mistake in the command, not something to skip silently."""
     defaults = TrainConfig()
-    unused = {
-        "guide": not spec.guided and config.guide is not None,
-        "guide_mode": not spec.guided and config.guide_mode != defaults.guide_mode,
-        "mini_batch_size": not spec.cached and config.mini_batch_size != defaults.mini_batch_size,
-        "memory_budget_mb": config.memory_budget_mb is not None and (not spec.cached or config.mini_batch_size != "auto"),
-    }
-    reasons = {
-        "guide": "only the GIST losses use a guide",
-        "guide_mode": "only the GIST losses use a guide",
-        "mini_batch_size": "only the cached losses split batches into mini-batches",
-        "memory_budget_mb": "it sizes mini_batch_size auto of a cached loss only",
-    }
-    for name, is_unused in unused.items():
+    unused = [
+        ("guide", not spec.guided and config.guide is not None, "only the GIST losses use a guide"),
+        ("guide_mode", not spec.guided and config.guide_mode != defaults.guide_mode, "only the GIST losses use a guide"),
+        (
+            "mini_batch_size",
+            not spec.cached and config.mini_batch_size != defaults.mini_batch_size,
+            "only the cached losses split batches into mini-batches",
+        ),
+        (
+            "memory_budget_mb",
+            config.memory_budget_mb is not None and (not spec.cached or config.mini_batch_size != "auto"),
+            "it sizes mini_batch_size auto of a cached loss only",
+        ),
+    ]
+    for name, is_unused, reason in unused:
         if is_unused:
-            raise ConfigError(
-                f"{name}: {config.loss!r} would ignore it ({reasons[name]}); leave it out or choose a loss that uses it."
-            )
+            raise ConfigError(f"{name}: {config.loss!r} would ignore it ({reason}); leave it out or choose a loss that uses it.")
 
 
 def _check_output_dir(output_dir: Path) -> None:
