@@ -24,7 +24,7 @@ class SettingError(ValueError):
 def convert_settings(dataclass_type: type, settings: dict[str, Any], source: str) -> dict[str, Any]:
     """``settings`` with every value converted to its field's type in ``dataclass_type``."""
     hints = typing.get_type_hints(dataclass_type)
-    fields = {field.name: field for field in dataclasses.fields(dataclass_type)}
+    fields = {field.name for field in dataclasses.fields(dataclass_type)}
     return {name: _convert(hints[name], value, f"{source}: {name}") for name, value in settings.items() if name in fields}
 
 
@@ -33,14 +33,13 @@ def _convert(annotation: Any, value: Any, where: str) -> Any:
     if options is not None:
         if value is None and type(None) in options:
             return None
-        refusals = []
         for option in (member for member in options if member is not type(None)):
             try:
                 return _convert(option, value, where)
-            except SettingError as refusal:
-                refusals.append(refusal)
+            except SettingError:
+                continue
         expected = " or ".join(_describe(member) for member in options)
-        raise SettingError(f"{where}: expected {expected}, got {value!r}.") from refusals[-1]
+        raise SettingError(f"{where}: expected {expected}, got {value!r}.")
     origin = typing.get_origin(annotation)
     if origin is list:
         (item,) = typing.get_args(annotation)
@@ -73,8 +72,9 @@ def _describe(annotation: Any) -> str:
 def _to_bool(value: Any, where: str) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE + _FALSE:
+        return word in _TRUE
     raise SettingError(f"{where}: expected true or false, got {value!r}.")
 
 
@@ -82,10 +82,9 @@ def _to_number(kind: type, value: Any, where: str) -> int | float:
     if isinstance(value, bool) or value is None:
         raise SettingError(f"{where}: expected {_describe(kind)}, got {value!r}.")
     try:
-        number = float(value) if kind is float else _exact_int(value)
+        return float(value) if kind is float else _exact_int(value)
     except (TypeError, ValueError):
         raise SettingError(f"{where}: expected {_describe(kind)}, got {value!r}.") from None
-    return number
 
 
 def _exact_int(value: Any) -> int:
