@@ -7,19 +7,16 @@ Swap the import and keep the training script::
 ``SparseEncoder`` (sentence-transformers 5.0+) and ``MultiVectorEncoder`` (6.0+), with their trainers and
 training arguments, are here too where the installed release has them; on an older release importing
 one raises an ImportError naming the release it needs.
+
+The names load on first use, so that ``st-ext --help`` (whose console script lives in this package)
+answers without importing torch.
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _distribution_version
-
-from sentence_transformers import (
-    CrossEncoderTrainingArguments,
-    SentenceTransformerTrainingArguments,
-)
-
-from st_ext import _compat
-from st_ext.models import CrossEncoder, SentenceTransformer
-from st_ext.training.trainer import CrossEncoderTrainer, SentenceTransformerTrainer
 
 try:
     #: The installed distribution's version (pyproject.toml is the one place it is written).
@@ -27,36 +24,37 @@ try:
 except _PackageNotFoundError:  # a source tree on sys.path without `pip install -e .`
     __version__ = "0+unknown"
 
-__all__ = [
-    "CrossEncoder",
-    "CrossEncoderTrainer",
-    "CrossEncoderTrainingArguments",
-    "SentenceTransformer",
-    "SentenceTransformerTrainer",
-    "SentenceTransformerTrainingArguments",
-    "__version__",
-]
+_ARCHETYPES = ("SentenceTransformer", "CrossEncoder", "SparseEncoder", "MultiVectorEncoder")
+#: Each public name and the module it comes from: st_ext's models and trainers, upstream's argument classes.
+_SOURCES = {
+    **{archetype: "st_ext.models" for archetype in _ARCHETYPES},
+    **{archetype + "Trainer": "st_ext.training.trainer" for archetype in _ARCHETYPES},
+    **{archetype + "TrainingArguments": "sentence_transformers" for archetype in _ARCHETYPES},
+}
 
-if _compat.HAS_SPARSE_ENCODER:
-    from sentence_transformers import SparseEncoderTrainingArguments
 
-    from st_ext.models import SparseEncoder
-    from st_ext.training.trainer import SparseEncoderTrainer
+def _public_names() -> list[str]:
+    from st_ext import _compat
 
-    __all__ += ["SparseEncoder", "SparseEncoderTrainer", "SparseEncoderTrainingArguments"]
-
-if _compat.HAS_MULTI_VECTOR_ENCODER:
-    from sentence_transformers import MultiVectorEncoderTrainingArguments
-
-    from st_ext.models import MultiVectorEncoder
-    from st_ext.training.trainer import MultiVectorEncoderTrainer
-
-    __all__ += ["MultiVectorEncoder", "MultiVectorEncoderTrainer", "MultiVectorEncoderTrainingArguments"]
+    return sorted(name for name in _SOURCES if _compat.missing_archetype_error(name) is None) + ["__version__"]
 
 
 def __getattr__(name: str):
-    """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
-    error = _compat.missing_archetype_error(name)
-    if error is not None:
-        raise error
+    """Load a public name on first use; name the sentence-transformers release an archetype needs when
+    the installed one lacks it."""
+    if name == "__all__":
+        return _public_names()
+    if name in _SOURCES:
+        from st_ext import _compat
+
+        error = _compat.missing_archetype_error(name)
+        if error is not None:
+            raise error
+        value = getattr(importlib.import_module(_SOURCES[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_public_names()})

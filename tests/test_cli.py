@@ -98,7 +98,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--output-dir", "__FILE__/run"], "is a file, not a directory; pass a directory for the results"),
         (["--data", "__TMP__"], "is a directory; pass a JSONL, CSV or Parquet file"),
         (["--model", "__TMP__"], "holds no model (none of modules.json, config.json)"),
-        (["--loss", "cosent"], "'cosent' trains on (sentence_A, sentence_B, score) rows, but st-ext train gives (anchor, positive) pairs"),
+        (["--loss", "cosent"], "'cosent' trains on (sentence_A, sentence_B, score) rows, but st-ext train gives (anchor, positive) rows"),
         (["--loss", "batch_all_triplet"], "'batch_all_triplet' trains on (text, label) rows"),
         (["--loss", "cached_mnrl", "--guide", "__TMP__"], "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)"),
         (["--loss", "mnrl"], "mini_batch_size: 'mnrl' would ignore it (only the cached losses split batches"),
@@ -132,7 +132,7 @@ def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys
         ("batch_size: 2.5\n", "config: batch_size: expected an integer, got 2.5."),
         ("matryoshka_dims: 32\n", "config: matryoshka_dims: expected a list (an integer each), e.g. [384, 128], got 32."),
         ("matryoshka_dims: [32, x]\n", "config: matryoshka_dims: expected an integer, got 'x'."),
-        ("gradient_checkpointing: maybe\n", "config: gradient_checkpointing: expected true or false, got 'maybe'."),
+        ("gradient_checkpointing: maybe\n", "config: gradient_checkpointing: expected true or false"),
         ("model: [a, b]\n", "config: model: expected text or nothing, got ['a', 'b']."),
         ("memory_budget_mb: lots\n", "config: memory_budget_mb: expected a number or nothing, got 'lots'."),
     ],
@@ -146,12 +146,13 @@ def test_malformed_config_is_refused(tmp_path, capsys, content, message):
 
 def test_config_values_are_converted_as_flags_would_be(tiny_bert_dir, pairs_file, tmp_path):
     """YAML 1.1 reads ``1e-4`` as text and ``5`` as a number: each becomes what its flag would."""
-    from st_ext.cli.main import load_config_file
+    from st_ext.cli.arguments import load_config_file
 
     config = tmp_path / "config.yaml"
     config.write_text("learning_rate: 1e-4\nmodel: 5\nbatch_size: '8'\nmini_batch_size: auto\ngradient_checkpointing: yes\n")
     assert load_config_file(config) == {
-        "learning_rate": 1e-4, "model": "5", "batch_size": 8, "mini_batch_size": "auto", "gradient_checkpointing": True,
+        "learning_rate": 1e-4, "model": "5", "per_device_train_batch_size": 8, "mini_batch_size": "auto",
+        "gradient_checkpointing": True,
     }
 
 
@@ -228,27 +229,27 @@ def test_every_error_has_the_same_form(capsys):
 
 
 def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pairs_file, tmp_path, monkeypatch, capsys):
-    main_module = sys.modules["st_ext.cli.main"]  # the package's `main` attribute is the function
+    from st_ext.cli import job
 
-    def interrupted(config):
+    def interrupted(config, trainer_settings):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(main_module, "run", interrupted)
+    monkeypatch.setattr(job, "run", interrupted)
     assert main(tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")) == 130
     err = capsys.readouterr().err.strip()
     assert err == f"st-ext train: interrupted; nothing was written to {tmp_path / 'run'}: it holds the previous run's results, if any."
 
 
 def test_max_pairs_caps_only_the_built_in_pairs(tmp_path):
-    from st_ext.cli.job import TrainConfig, load_pairs
+    from st_ext.cli.data import Columns, training_rows
 
     rows = [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(1000)]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in rows))
-    assert len(load_pairs(TrainConfig(data=str(data)))) == 1000
-    assert len(load_pairs(TrainConfig(data=str(data), max_pairs=300))) == 300
-    assert len(load_pairs(TrainConfig())) == 600
-    assert len(load_pairs(TrainConfig(max_pairs=0))) > 600
+    assert len(training_rows(str(data), Columns(), None).rows) == 1000
+    assert len(training_rows(str(data), Columns(), 300).rows) == 300
+    assert len(training_rows(None, Columns(), None).rows) == 600
+    assert len(training_rows(None, Columns(), 0).rows) > 600
 
 
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):

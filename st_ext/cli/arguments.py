@@ -1,0 +1,106 @@
+"""The ``st-ext train`` parser: st_ext's settings and the Trainer's, from flags and a config file.
+
+transformers' ``HfArgumentParser`` makes every field of :class:`st_ext.cli.job.TrainConfig` and of
+``SentenceTransformerTrainingArguments`` a flag (``--warmup-ratio 0.1`` or ``--warmup_ratio 0.1``)
+whose help shows its default. ``--config`` reads the same settings from a YAML or JSON file
+(``warmup_ratio: 0.1``); they become the parser's defaults, so flags win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from st_ext import SentenceTransformerTrainingArguments
+from st_ext.cli.job import ConfigError, TrainConfig
+from st_ext.cli.settings import SettingError, convert_setting, convert_settings
+from st_ext.cli.trainer_args import ALIASES, TRAINER_DEFAULTS, trainer_field_names
+
+
+def positive_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+
+
+def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumentParser:
+    """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults."""
+    parser = HfArgumentParser(
+        (TrainConfig, SentenceTransformerTrainingArguments),
+        prog="st-ext train",
+        description=(
+            "st_ext's settings come first, then every argument of sentence-transformers' Trainer (checkpoints, "
+            "resume, warmup, bf16, accumulation, report_to, ...). Each is also a key of the --config file "
+            "(with _ for -); flags win over the file."
+        ),
+    )
+    # HfArgumentParser parses Union[int, str] as int; the mini-batch size may also be 'auto'.
+    parser._option_string_actions["--mini-batch-size"].type = positive_or_auto
+    for alias, name in ALIASES.items():
+        target = parser._option_string_actions["--" + name]
+        parser.add_argument(
+            "--" + alias.replace("_", "-"), "--" + alias, dest=name, type=target.type, default=argparse.SUPPRESS,
+            help=f"short for --{name.replace('_', '-')}",
+        )
+    parser.add_argument("--config", type=Path, default=None, help="YAML or JSON file of settings: keys as the flags, with _ for -")
+    parser.add_argument(
+        "--list-losses", action="store_true", help="print each registered loss with its input columns and exit"
+    )
+    parser.set_defaults(**{**TRAINER_DEFAULTS, **(file_settings or {})})
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, dict[str, Any]]:
+    """The namespace, st_ext's settings, and the Trainer's settings (field name -> value)."""
+    namespace = build_train_parser().parse_args(argv)
+    if namespace.config is not None and not namespace.list_losses:
+        # Again, with the file's settings as the defaults the flags override.
+        namespace = build_train_parser(load_config_file(namespace.config)).parse_args(argv)
+    config = TrainConfig(**{name: getattr(namespace, name) for name in TrainConfig.field_names()})
+    trainer_settings = {name: getattr(namespace, name) for name in trainer_field_names()}
+    return namespace, config, trainer_settings
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Settings from a YAML/JSON file: a mapping whose keys are flags' names (aliases included)."""
+    if path.is_dir():
+        raise ConfigError(f"config: {path} is a directory; pass a YAML or JSON file.")
+    if not path.is_file():
+        raise ConfigError(f"config: {path} does not exist.")
+    text = path.read_text()
+    try:
+        settings = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except Exception as error:  # json and yaml raise their own error types
+        raise ConfigError(f"config: {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {error}") from error
+    if settings is None:
+        return {}
+    if not isinstance(settings, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of settings, not a {type(settings).__name__}.")
+    settings = {str(key).replace("-", "_"): value for key, value in settings.items()}
+    own, trainer = set(TrainConfig.field_names()), set(trainer_field_names())
+    unknown = sorted(set(settings) - own - trainer - set(ALIASES))
+    if unknown:
+        raise ConfigError(
+            f"config: unknown setting(s) {', '.join(unknown)}; known: {', '.join(TrainConfig.field_names())}, "
+            f"{', '.join(ALIASES)} and every argument of SentenceTransformerTrainingArguments."
+        )
+    for alias, name in ALIASES.items():
+        if alias in settings and name in settings:
+            raise ConfigError(f"config: {alias} and {name} are the same setting; keep one.")
+    try:
+        converted = convert_settings(TrainConfig, settings, "config")
+        converted.update(convert_settings(SentenceTransformerTrainingArguments, settings, "config"))
+        for alias, name in ALIASES.items():
+            if alias in settings:
+                converted[name] = convert_setting(SentenceTransformerTrainingArguments, name, settings[alias], f"config: {alias}")
+    except SettingError as error:
+        raise ConfigError(str(error)) from None
+    return converted

@@ -1,0 +1,101 @@
+"""The Trainer's own arguments in ``st-ext train``: every ``SentenceTransformerTrainingArguments`` field.
+
+Checkpoints and resume, warmup, bf16/fp16, gradient accumulation, ``report_to`` and the rest work from
+the command line and the config file under the Trainer's own names (``--warmup-ratio 0.1``,
+``save_steps: 50``), as in any ``HfArgumentParser`` script. The command changes only the defaults in
+:data:`TRAINER_DEFAULTS` and decides where the Trainer writes: the results go to ``output_dir``, the
+checkpoints (when ``save_strategy`` is not ``no``) to ``output_dir/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from st_ext import SentenceTransformerTrainingArguments
+from st_ext.cli.errors import ConfigError
+
+#: Where ``st-ext train`` differs from the Trainer's defaults: a demo-sized run that saves no
+#: checkpoints, reports to no service and logs every step.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/st-ext",
+    "per_device_train_batch_size": 32,
+    "num_train_epochs": 1.0,
+    "learning_rate": 5e-5,
+    "seed": 0,
+    "save_strategy": "no",
+    "report_to": "none",
+    "logging_steps": 1,
+    "batch_sampler": "no_duplicates",
+}
+
+#: Shorter names the command also takes, as flags (``--batch-size``) and config keys, and names settings by.
+ALIASES = {"batch_size": "per_device_train_batch_size", "epochs": "num_train_epochs"}
+
+#: Inside ``output_dir``: the Trainer's ``checkpoint-N`` folders.
+CHECKPOINTS = "checkpoints"
+#: ``--resume-from-checkpoint last``: the newest checkpoint in ``output_dir/checkpoints``.
+LAST_CHECKPOINT = "last"
+
+
+class TrainerArgumentError(ConfigError):
+    """Trainer arguments that cannot work together; the message is one line naming them."""
+
+
+def trainer_field_names() -> list[str]:
+    return [field.name for field in dataclasses.fields(SentenceTransformerTrainingArguments) if field.init]
+
+
+def setting_name(field_name: str) -> str:
+    """The name a setting goes by in messages: its short alias where it has one."""
+    return next((alias for alias, name in ALIASES.items() if name == field_name), field_name)
+
+
+def with_defaults(settings: dict[str, Any] | None) -> dict[str, Any]:
+    return {**TRAINER_DEFAULTS, **(settings or {})}
+
+
+def training_arguments(settings: dict[str, Any], output_dir: str, use_cpu: bool) -> SentenceTransformerTrainingArguments:
+    """The Trainer's arguments from ``settings`` (field name -> value), writing into ``output_dir``.
+
+    ``use_cpu`` is the command's choice unless the settings make one. The arguments' own checks
+    (bf16 without support, a ``load_best_model_at_end`` without matching strategies, ...) become one line.
+    """
+    values = {"use_cpu": use_cpu, **settings, "output_dir": output_dir}
+    try:
+        return SentenceTransformerTrainingArguments(**values)
+    except (ValueError, TypeError) as error:
+        raise TrainerArgumentError(f"trainer arguments: {' '.join(str(error).split())}") from None
+
+
+def checkpoint_folder(results_dir: Path) -> Path:
+    return results_dir / CHECKPOINTS
+
+
+def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None:
+    """The checkpoint to resume from: ``resume_from_checkpoint`` as given, or the newest one for ``last``."""
+    wanted = settings.get("resume_from_checkpoint")
+    if wanted in (None, "", False):
+        return None
+    if wanted == LAST_CHECKPOINT:
+        folder = checkpoint_folder(results_dir)
+        found = sorted(folder.glob("checkpoint-*"), key=_step_of) if folder.is_dir() else []
+        if not found:
+            raise TrainerArgumentError(
+                f"resume_from_checkpoint: no checkpoint in {folder}; train with --save-strategy steps (or epoch) first, "
+                "or pass a checkpoint folder."
+            )
+        return str(found[-1])
+    path = Path(str(wanted))
+    if not (path / "trainer_state.json").is_file():
+        raise TrainerArgumentError(
+            f"resume_from_checkpoint: {path} is not a checkpoint (it has no trainer_state.json); pass a checkpoint-N "
+            f"folder or '{LAST_CHECKPOINT}'."
+        )
+    return str(path)
+
+
+def _step_of(checkpoint: Path) -> int:
+    suffix = checkpoint.name.rpartition("-")[2]
+    return int(suffix) if suffix.isdigit() else -1

@@ -1,0 +1,245 @@
+"""st-ext train as a practitioner's tool: the Trainer's own arguments, checkpoints and resume, hard
+negatives, an eval file, Hub names offline, what metrics.json reports, and the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from st_ext.cli import EXIT_BAD_INPUT, main
+from tiny_models import SENTENCES
+
+
+@pytest.fixture
+def triplets_file(tmp_path):
+    rows = [
+        {"q": f"{s} {i}", "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}", "neg": f"{SENTENCES[(i + 5) % len(SENTENCES)]} x{i}"}
+        for i, s in enumerate(SENTENCES * 3)
+    ]
+    path = tmp_path / "triplets.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def run_args(model_dir, data, output_dir, *extra):
+    return [
+        "train", "--model", str(model_dir), "--data", str(data), "--anchor-column", "q", "--positive-column", "pos",
+        "--max-steps", "2", "--batch-size", "4", "--mini-batch-size", "2", "--matryoshka-dims", "32", "16",
+        "--output-dir", str(output_dir), *extra,
+    ]
+
+
+def without(args: list[str], flag: str) -> list[str]:
+    at = args.index(flag)
+    return args[:at] + args[at + 2 :]
+
+
+def metrics_of(output_dir: Path) -> dict:
+    return json.loads((output_dir / "metrics.json").read_text())
+
+
+def test_trainer_arguments_come_from_flags_and_the_config_file(tmp_path):
+    from st_ext.cli.arguments import parse_train_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text("warmup_ratio: 0.25\nsave_steps: '3'\nreport_to: [none]\nepochs: 2\nloss: cached_mnrl\n")
+    _, settings, trainer = parse_train_args(
+        ["--config", str(config), "--gradient-accumulation-steps", "2", "--lr-scheduler-type", "constant", "--batch-size", "16"]
+    )
+    assert settings.loss == "cached_mnrl"
+    assert trainer["warmup_ratio"] == 0.25 and trainer["save_steps"] == 3 and trainer["report_to"] == ["none"]
+    assert trainer["num_train_epochs"] == 2.0 and trainer["per_device_train_batch_size"] == 16
+    assert trainer["gradient_accumulation_steps"] == 2 and trainer["lr_scheduler_type"] == "constant"
+    # The command's own defaults where nothing was said.
+    assert trainer["save_strategy"] == "no" and trainer["seed"] == 0 and trainer["output_dir"] == "runs/st-ext"
+
+
+def test_an_alias_and_its_full_name_in_one_file_are_refused(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("batch_size: 8\nper_device_train_batch_size: 16\n")
+    assert main(["train", "--config", str(config)]) == EXIT_BAD_INPUT
+    assert "config: batch_size and per_device_train_batch_size are the same setting; keep one." in capsys.readouterr().err
+
+
+def test_trainer_arguments_reach_the_trainer(tiny_bert_dir, triplets_file, tmp_path, monkeypatch):
+    from st_ext.training import trainer as trainer_module
+
+    seen = {}
+    original = trainer_module.SentenceTransformerTrainer.train
+
+    def spy(self, *args, **kwargs):
+        seen.update(accumulation=self.args.gradient_accumulation_steps, warmup=self.args.warmup_steps, max_grad=self.args.max_grad_norm)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.SentenceTransformerTrainer, "train", spy)
+    extra = ["--gradient-accumulation-steps", "2", "--warmup-steps", "1", "--max-grad-norm", "0.5"]
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", *extra, "--loss", "matryoshka_cached_mnrl")) == 0
+    assert seen == {"accumulation": 2, "warmup": 1, "max_grad": 0.5}
+
+
+def test_a_trainer_argument_conflict_is_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    extra = ["--load-best-model-at-end", "--save-strategy", "steps", "--eval-strategy", "no"]
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", *extra)) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("st-ext train: error: trainer arguments: "), err
+    assert "load_best_model_at_end" in err[0]
+
+
+def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    output = tmp_path / "run"
+    saving = ["--save-strategy", "steps", "--save-steps", "1", "--loss", "matryoshka_cached_mnrl"]
+    assert main(run_args(tiny_bert_dir, triplets_file, output, *saving)) == 0
+    checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert checkpoints == ["checkpoint-1", "checkpoint-2"]
+    assert metrics_of(output)["time"]["steps"] == 2
+
+    resumed = run_args(tiny_bert_dir, triplets_file, output, *saving, "--resume-from-checkpoint", "last")
+    resumed[resumed.index("--max-steps") + 1] = "3"
+    assert main(resumed) == 0
+    # Steps 1 and 2 were restored from checkpoint-2, so this run trained step 3 only.
+    assert metrics_of(output)["time"]["steps"] == 1
+    state = json.loads((output / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert (output / "model" / "modules.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "resume, message",
+    [
+        ("last", "resume_from_checkpoint: no checkpoint in"),
+        ("__TMP__", "is not a checkpoint (it has no trainer_state.json)"),
+    ],
+)
+def test_resuming_without_a_checkpoint_is_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys, resume, message):
+    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--resume-from-checkpoint", resume.replace("__TMP__", str(tmp_path)))
+    assert main(args) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("st-ext train: error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("loss", ["matryoshka_cached_gist", "triplet"])
+def test_hard_negatives_are_trained_on(tiny_bert_dir, triplets_file, tmp_path, capsys, loss):
+    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--negative-columns", "neg", "--loss", loss)
+    if loss == "triplet":
+        args = without(args, "--mini-batch-size")  # a non-cached loss takes none
+    assert main(args) == 0
+    assert "training rows (anchor, positive, negative)" in capsys.readouterr().out
+    assert metrics_of(tmp_path / "run")["data"]["columns"] == ["anchor", "positive", "negative"]
+
+
+def test_a_triplet_loss_without_negatives_says_which_flag_to_pass(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    args = without(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--loss", "triplet"), "--mini-batch-size")
+    assert main(args) == EXIT_BAD_INPUT
+    assert "or one --negative-columns." in capsys.readouterr().err
+
+
+def test_an_eval_file_holds_the_evaluation_pairs(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("\n".join(json.dumps({"q": f"query {i}", "pos": f"document {i}"}) for i in range(12)))
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--eval-data", str(held_out))) == 0
+    data = metrics_of(tmp_path / "run")["data"]
+    assert data["eval_pairs"] == 12 and data["train_rows"] == 3 * 8  # every row of --data trains
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--eval-data", str(held_out), "--eval-fraction", "0.3")) == EXIT_BAD_INPUT
+    assert "eval_fraction: --eval-data holds the evaluation pairs" in capsys.readouterr().err
+
+
+def test_metrics_report_settings_data_memory_time_and_versions(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    import sentence_transformers
+
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--loss", "matryoshka_cached_mnrl")) == 0
+    printed = capsys.readouterr().out
+    metrics = metrics_of(tmp_path / "run")
+    assert metrics["settings"]["loss"] == "matryoshka_cached_mnrl" and metrics["settings"]["trainer"]["max_steps"] == 2
+    assert metrics["data"]["train_rows"] + metrics["data"]["eval_pairs"] == 24
+    memory = metrics["memory"]
+    assert memory["step_peak_mib"] > 0 and memory["meter"] and "above the level at the start" in memory["counts"]
+    reference = memory["uncached_reference"]
+    assert reference["loss"] == "matryoshka_mnrl" and reference["batch_size"] == 4 and reference["peak_mib"] > 0
+    assert metrics["time"]["steps"] == 2 and metrics["time"]["seconds_per_step_median"] > 0
+    assert metrics["versions"]["sentence_transformers"] == sentence_transformers.__version__
+    # 5 held-out pairs: every figure moves in steps of 20%, and the run says so.
+    assert any("only 5 held-out pairs" in warning for warning in metrics["warnings"])
+    assert "warning: only 5 held-out pairs" in printed and "reference: uncached matryoshka_mnrl, batch 4" in printed
+    header = (tmp_path / "run" / "memory_per_step.csv").read_text().splitlines()[0]
+    assert header == "step,peak_mib,seconds,device,meter"
+
+
+def test_the_reference_peak_grows_with_the_batch_and_changes_nothing(tiny_bert_dir):
+    from st_ext import SentenceTransformer
+    from st_ext.cli.reference_peak import measure_reference_peak
+
+    model = SentenceTransformer(str(tiny_bert_dir), device="cpu")
+    rows = [{"anchor": f"{s} {i}", "positive": f"{s} again {i}"} for i, s in enumerate(SENTENCES * 8)]
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 0.5)
+    rng = torch.random.get_rng_state()
+    small = measure_reference_peak("cached_mnrl", model, rows, 4, [32], "cpu")
+    large = measure_reference_peak("cached_mnrl", model, rows, 32, [32], "cpu")
+    assert small.loss == "mnrl" and large.batch_size == 32
+    assert large.peak_mib > 2 * small.peak_mib > 0
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters()), "the model's gradients"
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert measure_reference_peak("mnrl", model, rows, 4, [32], "cpu") is None, "nothing to compare a plain loss with"
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+@pytest.mark.parametrize(
+    "flag, name, message",
+    [
+        ("--model", "st-ext-tests/no-such-model", "model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local Hugging Face cache (HF_HUB_OFFLINE is set)"),
+        ("--data", "st-ext-tests/no-such-dataset", "data: 'st-ext-tests/no-such-dataset' is not a local file and cannot be loaded from the Hub"),
+    ],
+)
+def test_hub_names_offline_are_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys, offline_hub, flag, name, message):
+    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run")
+    args[args.index(flag) + 1] = name
+    assert main(args) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("st-ext train: error: ") and message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--model", "--data"])
+def test_an_unreachable_hub_is_one_line_at_once(tiny_bert_dir, triplets_file, tmp_path, capsys, monkeypatch, flag):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # .invalid never resolves
+    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run")
+    args[args.index(flag) + 1] = "st-ext-tests/no-such-thing"
+    assert main(args) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert "hub.invalid cannot be reached" in err and "\n" not in err, err
+
+
+def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tmp_path):
+    script = Path(sys.executable).with_name("st-ext")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, st_ext.cli.main; print('torch' in sys.modules)"], capture_output=True, text=True
+    )
+    assert probe.stdout.strip() == "False", "st-ext --help must not wait for torch"
+    top = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert top.returncode == 0 and "train" in top.stdout
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    failed = subprocess.run(
+        [str(script), "train", "--model", "st-ext-tests/no-such-model", "--output-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, env=env,
+    )
+    assert failed.returncode == EXIT_BAD_INPUT
+    assert failed.stderr.strip().splitlines() == [
+        "st-ext train: error: model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local "
+        "Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory."
+    ]
