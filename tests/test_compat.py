@@ -43,8 +43,9 @@ def test_the_range_is_pyprojects():
 
 
 def test_importing_st_ext_on_an_unsupported_release_fails_with_the_fix():
-    """The check runs on import: a release that claims to be 3.4.1 stops ``import st_ext``."""
-    code = "import sentence_transformers; sentence_transformers.__version__ = '3.4.1'; import st_ext"
+    """The check runs when st_ext's names load: a release that claims to be 3.4.1 stops
+    ``from st_ext import SentenceTransformer`` (``import st_ext`` alone loads nothing, for ``st-ext --help``)."""
+    code = "import sentence_transformers; sentence_transformers.__version__ = '3.4.1'; from st_ext import SentenceTransformer"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode != 0
