@@ -10,6 +10,8 @@ Every memory claim st_ext makes (tests, benchmarks, the CLI's per-step report) g
   is exactly the part that activations, graphs and caches occupy.
 
 Figures are *above the level on entry*: memory already held before the block does not count.
+Measurements nest (a training step measured around a loss whose ``mini_batch_size="auto"`` probe
+measures too): the inner block's peak counts toward the outer one, and each reads its own window.
 """
 
 from __future__ import annotations
@@ -72,33 +74,86 @@ def measure_peak(device: str | torch.device | None = None) -> Iterator[PeakMemor
         raise ValueError(f"measure_peak supports 'cpu' and 'cuda' devices, got {device}.")
 
 
+@dataclass
+class _CudaWindow:
+    baseline: int
+    peak: int = 0
+
+    def fold(self, device: torch.device) -> None:
+        """Take the allocator's peak since the last reset into this window, before a nested one resets it."""
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(device) - self.baseline)
+
+
+#: Open CUDA measurements per device, innermost last.
+_CUDA_WINDOWS: dict[torch.device, list[_CudaWindow]] = {}
+
+
 @contextlib.contextmanager
 def _measure_cuda(device: torch.device) -> Iterator[PeakMemory]:
     result = PeakMemory(device=device, meter=CUDA_METER)
     torch.cuda.synchronize(device)
-    baseline = torch.cuda.memory_allocated(device)
+    windows = _CUDA_WINDOWS.setdefault(device, [])
+    if windows:
+        windows[-1].fold(device)
+    window = _CudaWindow(baseline=torch.cuda.memory_allocated(device))
+    windows.append(window)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         yield result
     finally:
         torch.cuda.synchronize(device)
-        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - baseline)
+        window.fold(device)
+        windows.pop()
+        if windows:  # the enclosing window saw this one's peak, on top of the level this one started at
+            outer = windows[-1]
+            outer.peak = max(outer.peak, window.peak + window.baseline - outer.baseline)
+        result.peak_bytes = max(0, window.peak)
+
+
+class _CpuWindow:
+    """One CPU measurement: its allocation events, gathered over the profiler runs it spans (a nested
+    measurement stops this one's profiler, runs its own, and hands its events back)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int]] = []
+        self._profiler = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _native_stderr_silenced():
+            self._profiler.start()
+
+    def stop(self) -> None:
+        with _native_stderr_silenced():
+            self._profiler.stop()
+        self.events += profiler_cpu_memory_events(self._profiler)
+        self._profiler = None
+
+
+#: Open CPU measurements, innermost last: only one torch profiler can run at a time.
+_CPU_WINDOWS: list[_CpuWindow] = []
 
 
 @contextlib.contextmanager
 def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
-    from torch.profiler import ProfilerActivity, profile
-
     result = PeakMemory(device=device, meter=CPU_METER)
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_silenced():
-        prof.start()
+    if _CPU_WINDOWS:
+        _CPU_WINDOWS[-1].stop()
+    window = _CpuWindow()
+    _CPU_WINDOWS.append(window)
+    window.start()
     try:
         yield result
     finally:
-        with _native_stderr_silenced():
-            prof.stop()
-        result.peak_bytes = peak_of_allocation_events(profiler_cpu_memory_events(prof))
+        window.stop()
+        _CPU_WINDOWS.pop()
+        if _CPU_WINDOWS:
+            outer = _CPU_WINDOWS[-1]
+            outer.events += window.events
+            outer.start()
+        result.peak_bytes = peak_of_allocation_events(window.events)
 
 
 @contextlib.contextmanager

@@ -103,7 +103,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--loss", "cached_mnrl", "--guide", "__TMP__"], "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)"),
         (["--loss", "mnrl"], "mini_batch_size: 'mnrl' would ignore it (only the cached losses split batches"),
         (["--memory-budget-mb", "100"], "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto"),
-        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "memory_budget_mb: mini_batch_size='auto': even a mini-batch of one row"),
+        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "memory_budget_mb: mini_batch_size='auto': the optimizer's update alone (gradients, the states its first step allocates, temporaries) needs"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):

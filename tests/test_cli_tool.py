@@ -243,3 +243,22 @@ def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tm
         "st-ext train: error: model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local "
         "Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory."
     ]
+
+
+@pytest.mark.parametrize("budget_mb", [4, 8])
+def test_an_auto_budget_bounds_every_measured_training_step(tiny_bert_dir, tmp_path, budget_mb):
+    """The budget means the step's peak as the CSV measures it (the optimizer's update and the step
+    that probes included), not one mini-batch's forward and backward."""
+    import csv
+
+    rows = [{"q": f"{s} {i} " * 3, "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"} for i, s in enumerate(SENTENCES * 8)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = run_args(tiny_bert_dir, data, tmp_path / "run", "--memory-budget-mb", str(budget_mb), "--loss", "matryoshka_cached_mnrl")
+    args[args.index("--batch-size") + 1] = "32"
+    args[args.index("--max-steps") + 1] = "3"
+    args[args.index("--mini-batch-size") + 1] = "auto"
+    assert main(args) == 0
+    peaks = [float(row["peak_mib"]) for row in csv.DictReader((tmp_path / "run" / "memory_per_step.csv").open())]
+    assert len(peaks) == 3 and all(0 < peak <= budget_mb for peak in peaks), peaks
+    assert "mini_batch_size auto -> " in metrics_of(tmp_path / "run")["memory"]["auto_mini_batch"]

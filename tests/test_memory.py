@@ -82,3 +82,20 @@ def test_the_cpu_meter_prints_nothing_of_its_own(capfd):
     assert "profiler_st" not in captured.err + captured.out and "USDT" not in captured.err + captured.out
     assert "after the window" in captured.err, "the descriptor is restored"
     assert peak.peak_bytes >= 0
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+)
+def test_nested_measurements_each_read_their_own_window_and_the_outer_sees_the_inner(device):
+    """A step measured around an auto mini-batch probe: the probe's peak counts toward the step's."""
+    with measure_peak(device) as outer:
+        before = torch.empty(2**20, dtype=torch.uint8, device=device)
+        with measure_peak(device) as inner:
+            inside = torch.empty(3 * 2**20, dtype=torch.uint8, device=device)
+            del inside
+        after = torch.empty(2 * 2**20, dtype=torch.uint8, device=device)
+        del before, after
+    assert 3 * 2**20 <= inner.peak_bytes < 3 * 2**20 + 2**16
+    # 1 MiB held while the inner 3 MiB lived: 4 MiB, above the later 1 + 2 MiB.
+    assert 4 * 2**20 <= outer.peak_bytes < 4 * 2**20 + 2**16

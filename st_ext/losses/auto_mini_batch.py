@@ -7,10 +7,14 @@ on the batch in hand, on its *longest* rows (the mini-batch that costs most), fo
 fits the budget. When every row fits, the step runs as one plain forward and backward
 (:attr:`~st_ext.losses.minibatches.MiniBatchPlan.single_pass`), at the speed of the uncached loss.
 
-* The budget counts memory above the level at the start of the loss's forward pass. On CUDA the
-  default is a fraction of what is free (after the gradients and Adam states the first optimizer
-  step has yet to allocate); on the CPU there is none unless one is given, and the whole batch is
-  one mini-batch.
+* The budget counts a training step's peak above the level at its start. When st_ext's trainer
+  hands over its optimizer (:attr:`AutoMiniBatch.optimizer`), the step includes the optimizer's
+  update: the gradients, the states its first step allocates (Adam's two moments) and the update's
+  temporaries, estimated by :func:`optimizer_step_bytes`; a step peaks at the larger of the backward
+  and the update. Without it (the loss called from one's own loop) the budget covers the loss's
+  forward and backward. On CUDA the default budget is a fraction of what is free (less the gradients
+  and Adam states still to come when the optimizer is unknown); on the CPU there is none unless one
+  is given, and the whole batch is one mini-batch.
 * The measurement is repeated when a batch has more rows or a longer row than any measured before.
 * An out-of-memory error while measuring counts as over budget: it is caught and the cache emptied.
 * Measuring leaves no trace: gradients already accumulated in ``.grad`` are set aside and put back.
@@ -93,6 +97,8 @@ class AutoMiniBatch:
             raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {memory_budget_mb!r}.")
         self.memory_budget_mb = memory_budget_mb
         self.choice: MiniBatchChoice | None = None
+        #: The optimizer whose update the budget must also hold (set by st_ext's trainers), or None.
+        self.optimizer: torch.optim.Optimizer | None = None
 
     def __repr__(self) -> str:
         return f"AutoMiniBatch(memory_budget_mb={self.memory_budget_mb!r}, choice={self.choice})"
@@ -114,6 +120,8 @@ class AutoMiniBatch:
             return None
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if self.optimizer is not None:  # the step estimate includes the update
+            return int(CUDA_BUDGET_FRACTION * free)
         pending = sum(p.numel() for p in model.parameters() if p.requires_grad and p.grad is None)
         return int(CUDA_BUDGET_FRACTION * max(free - pending * PENDING_BYTES_PER_PARAMETER, 0))
 
@@ -130,7 +138,14 @@ class AutoMiniBatch:
         choice = MiniBatchChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
         if budget is None:
             return choice
-        series = _Series(model, sentence_features, layouts, rows, budget, device)
+        update = optimizer_step_bytes(self.optimizer) if self.optimizer is not None else 0
+        if update > budget:
+            raise BudgetTooSmallError(
+                f"mini_batch_size='auto': the optimizer's update alone (gradients, the states its first step "
+                f"allocates, temporaries) needs {_mib(update)}, above the {_mib(budget)} budget. Raise "
+                "memory_budget_mb, or choose a lighter optimizer (--optim)."
+            )
+        series = _Series(model, sentence_features, layouts, rows, budget, device, update_bytes=update)
         plain = series.largest_fitting(1)
         choice.size, choice.tried, choice.meter = plain, dict(series.peaks), series.meter
         if not plain:
@@ -144,7 +159,10 @@ class AutoMiniBatch:
         if plain < rows and checkpointing.checkpointable_modules(model) and not checkpointing.is_enabled(model):
             # The lever: recomputing activations in the backward pass may let a larger mini-batch fit, and
             # fewer, larger passes can be faster than the recomputation costs.
-            with_checkpointing = _Series(model, sentence_features, layouts, rows, budget, device, checkpointed=True)
+            with_checkpointing = _Series(
+                model, sentence_features, layouts, rows, budget, device, checkpointed=True, update_bytes=update
+            )
+            with_checkpointing.slope_hint = series.slope()
             larger = with_checkpointing.largest_fitting(plain * 2)
             choice.tried.update({f"{size}+ckpt": peak for size, peak in with_checkpointing.peaks.items()})
             if larger and with_checkpointing.step_seconds(larger) < series.step_seconds(plain):
@@ -156,9 +174,14 @@ class _Series:
     """Probes of doubling mini-batch sizes on the batch's longest rows: peak bytes (estimates of the
     rest of the step included) and seconds of each, with or without gradient checkpointing."""
 
-    def __init__(self, model, sentence_features, layouts, rows, budget, device, *, checkpointed: bool = False):
+    def __init__(
+        self, model, sentence_features, layouts, rows, budget, device, *, checkpointed: bool = False, update_bytes: int = 0
+    ):
         self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
         self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
+        self.update_bytes = update_bytes
+        self.graphs: dict[int, int] = {}  # measured graph peaks by size
+        self.slope_hint: float | None = None
         self.order = _longest_first(sentence_features, layouts)
         self.peaks: dict[int, int] = {}
         self.seconds: dict[int, float] = {}
@@ -169,6 +192,12 @@ class _Series:
         plan = MiniBatchPlan([], list(self.layouts))
         fitting = 0
         for size in _candidates(len(self.order), start):
+            predicted = self._extrapolated(size)
+            if predicted is not None and self._step_peak(predicted, dim, size) > self.budget:
+                # The graph grows linearly with the rows: a probe this size would pass the budget
+                # itself, on the step that measures. Its estimate stands in for it.
+                self.peaks[size] = self._step_peak(predicted, dim, size)
+                return fitting
             rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
             passes = 1 if size >= self.rows else 2
             switch = checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext()
@@ -178,20 +207,46 @@ class _Series:
                     self.model, minibatch_features(self.sentence_features, plan, rows), self.device, passes
                 )
             self.seconds[size] = (time.perf_counter() - began) / passes
-            peak = None if graph_peak is None else graph_peak + _step_overhead_bytes(self.rows, self.layouts, dim, size)
+            peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)
             self.peaks[size] = -1 if peak is None else peak
+            if graph_peak is not None:
+                self.graphs[size] = graph_peak
             if peak is None or peak > self.budget:
                 return fitting
             fitting = size
         if len(self.order) < self.rows:
             # Columns that cannot share a forward pass: one pass holds every column's graph at once,
             # each at most as large as the longest column's.
-            whole = graph_peak * len(self.layouts) + _step_overhead_bytes(self.rows, self.layouts, dim, self.rows)
+            whole = max(
+                graph_peak * len(self.layouts) + _step_overhead_bytes(self.rows, self.layouts, dim, self.rows),
+                self.update_bytes,
+            )
             self.peaks[self.rows] = whole
             self.seconds[self.rows] = self.seconds[fitting] * len(self.layouts)
             if whole <= self.budget:
                 fitting = self.rows
         return fitting
+
+    def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
+        """A step's peak: the larger of the backward (the graph and the rest of the loss) and the update."""
+        return max(graph_peak + _step_overhead_bytes(self.rows, self.layouts, dim, size), self.update_bytes)
+
+    def slope(self) -> float | None:
+        """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
+        if len(self.graphs) < 2:
+            return None
+        (small, low), (large, high) = sorted(self.graphs.items())[-2:]
+        return max(high - low, 0) / (large - small)
+
+    def _extrapolated(self, size: int) -> int | None:
+        """The graph peak at ``size`` on the line through the last measured size, with this series'
+        slope or, before it has two sizes, the hint's (the plain series bounds the checkpointed one)."""
+        slope = self.slope()
+        slope = self.slope_hint if slope is None else slope
+        if slope is None or not self.graphs:
+            return None
+        large, high = max(self.graphs.items())
+        return int(high + slope * (size - large))
 
     def step_seconds(self, size: int) -> float:
         """A step's estimated time at ``size``: one plain pass, or a no-grad and a graph pass per mini-batch
@@ -291,6 +346,34 @@ def _step_overhead_bytes(rows: int, layouts: Sequence[ColumnLayout], dim: int, s
     anchors = layouts[0].rows
     candidates = rows - anchors if len(layouts) > 1 else rows
     return 4 * (3 * rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+
+
+#: Optimizer states per parameter that a first step allocates, by optimizer class name (others: 2, as Adam).
+STATES_PER_PARAMETER = {"SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adam": 2, "AdamW": 2}
+
+
+def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """What ``optimizer``'s update holds above a step's start, estimated: the gradients (a step starts
+    without them: the trainer sets them to None), the states its first step allocates, and the update's
+    temporaries (a copy of every parameter with the foreach implementation, of the largest one without,
+    none when fused)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    states = STATES_PER_PARAMETER.get(type(optimizer).__name__, 2)
+    total = 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        total += sum(nbytes)  # gradients
+        pending_states = states + bool(group.get("amsgrad")) if states else 0
+        total += sum(n for p, n in zip(params, nbytes) if not optimizer.state.get(p)) * pending_states
+        if group.get("fused"):
+            continue
+        foreach = group.get("foreach")
+        if foreach or (foreach is None and params and all(p.is_cuda for p in params)):
+            total += sum(nbytes)
+        else:
+            total += max(nbytes, default=0)
+    return total
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import sentence_transformers
 from torch import nn
 
 from st_ext import _compat
+from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
@@ -140,6 +141,16 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
         restore_memories_for_resume(self, resume_from_checkpoint, allow_empty=self.resume_empty_memory)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def create_optimizer(self, *args, **kwargs):
+        """Upstream's ``create_optimizer``; a loss with ``mini_batch_size="auto"`` is told the optimizer, so
+        that its memory budget holds the whole step, the optimizer's update included."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        for loss in self.loss.values() if isinstance(self.loss, dict) else [self.loss]:
+            auto = auto_mini_batch_of(loss)
+            if auto is not None:
+                auto.optimizer = optimizer
+        return optimizer
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Upstream's ``save_model``; inside a checkpoint, the cross-batch memories are written with the model,
