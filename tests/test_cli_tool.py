@@ -83,6 +83,13 @@ def test_trainer_arguments_reach_the_trainer(tiny_bert_dir, triplets_file, tmp_p
     assert seen == {"accumulation": 2, "warmup": 1, "max_grad": 0.5}
 
 
+def test_bf16_trains_on_the_cpu_when_there_is_no_gpu(tiny_bert_dir, triplets_file, tmp_path, monkeypatch):
+    """The flag's default (use_cpu False) must not undo the command's choice of the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--bf16", "--loss", "matryoshka_cached_mnrl")) == 0
+    assert metrics_of(tmp_path / "run")["settings"]["trainer"]["bf16"] is True
+
+
 def test_a_trainer_argument_conflict_is_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys):
     extra = ["--load-best-model-at-end", "--save-strategy", "steps", "--eval-strategy", "no"]
     assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", *extra)) == EXIT_BAD_INPUT

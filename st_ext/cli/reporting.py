@@ -86,7 +86,7 @@ def plot_memory(path: Path, rows: list[dict], reference=None) -> Path:
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"memory, MiB ({MEMORY_MEANING})")
     axes.set_title(f"Peak memory per step ({rows[0]['meter'] if rows else 'no steps'})", fontsize=9)
-    axes.legend(fontsize=8, loc="lower right")
+    axes.legend(fontsize=8, loc="best")
     return _save(figure, path)
 
 

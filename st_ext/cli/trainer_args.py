@@ -59,10 +59,11 @@ def with_defaults(settings: dict[str, Any] | None) -> dict[str, Any]:
 def training_arguments(settings: dict[str, Any], output_dir: str, use_cpu: bool) -> SentenceTransformerTrainingArguments:
     """The Trainer's arguments from ``settings`` (field name -> value), writing into ``output_dir``.
 
-    ``use_cpu`` is the command's choice unless the settings make one. The arguments' own checks
-    (bf16 without support, a ``load_best_model_at_end`` without matching strategies, ...) become one line.
+    ``use_cpu`` is the command's choice (True without CUDA) unless the settings ask for the CPU. The
+    arguments' own checks (bf16 without support, a ``load_best_model_at_end`` without matching
+    strategies, ...) become one line.
     """
-    values = {"use_cpu": use_cpu, **settings, "output_dir": output_dir}
+    values = {**settings, "output_dir": output_dir, "use_cpu": bool(settings.get("use_cpu")) or use_cpu}
     try:
         return SentenceTransformerTrainingArguments(**values)
     except (ValueError, TypeError) as error:
