@@ -86,6 +86,9 @@ def test_trainer_arguments_reach_the_trainer(tiny_bert_dir, triplets_file, tmp_p
 def test_bf16_trains_on_the_cpu_when_there_is_no_gpu(tiny_bert_dir, triplets_file, tmp_path, monkeypatch):
     """The flag's default (use_cpu False) must not undo the command's choice of the CPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # transformers 4.x exports bf16 to later Accelerators through ACCELERATE_MIXED_PRECISION; monkeypatch
+    # restores the environment after the test, so later tests in this process do not train under bf16.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--bf16", "--loss", "matryoshka_cached_mnrl")) == 0
     assert metrics_of(tmp_path / "run")["settings"]["trainer"]["bf16"] is True
 
