@@ -144,13 +144,6 @@ def embedding_dimension(model: nn.Module) -> int | None:
     return method()
 
 
-def checkpointing_training_args(enabled: bool) -> dict[str, bool]:
-    """The TrainingArguments keyword that switches checkpointing (transformers 5 renamed it)."""
-    if HF_HAS_ACTIVATION_CHECKPOINTING:
-        return {"activation_checkpointing": enabled}
-    return {"gradient_checkpointing": enabled}
-
-
 def hf_checkpointing_enable(model: transformers.PreTrainedModel, checkpoint_kwargs: dict, **extra: Any) -> None:
     """Switch checkpointing on in a Hugging Face model by the name its transformers version prefers.
 

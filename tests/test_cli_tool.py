@@ -189,13 +189,13 @@ def test_the_reference_peak_grows_with_the_batch_and_changes_nothing(tiny_bert_d
     for parameter in model.parameters():
         parameter.grad = torch.full_like(parameter, 0.5)
     rng = torch.random.get_rng_state()
-    small = measure_reference_peak("cached_mnrl", model, rows, 4, [32], "cpu")
-    large = measure_reference_peak("cached_mnrl", model, rows, 32, [32], "cpu")
+    small = measure_reference_peak("cached_mnrl", model, rows[:4], [32], "cpu")
+    large = measure_reference_peak("cached_mnrl", model, rows[:32], [32], "cpu")
     assert small.loss == "mnrl" and large.batch_size == 32
     assert large.peak_mib > 2 * small.peak_mib > 0
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters()), "the model's gradients"
     assert torch.equal(torch.random.get_rng_state(), rng)
-    assert measure_reference_peak("mnrl", model, rows, 4, [32], "cpu") is None, "nothing to compare a plain loss with"
+    assert measure_reference_peak("mnrl", model, rows[:4], [32], "cpu") is None, "nothing to compare a plain loss with"
 
 
 @pytest.fixture

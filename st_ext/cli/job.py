@@ -255,8 +255,8 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None) -> 
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     before = evaluate(model, evaluators, epoch=0, steps=0)
-    batch_size = settings["per_device_train_batch_size"]
-    reference = measure_reference_peak(config.loss, model, train_dataset.to_list(), batch_size, dims, device)
+    first_batch = train_dataset.select(range(min(settings["per_device_train_batch_size"], len(train_dataset))))
+    reference = measure_reference_peak(config.loss, model, first_batch.to_list(), dims, device)
 
     loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
     recorder = StepMemoryRecorder(device)

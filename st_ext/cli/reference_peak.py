@@ -39,38 +39,32 @@ def uncached_counterpart(loss_name: str) -> str | None:
     return MATRYOSHKA_PREFIX + base if loss_name.startswith(MATRYOSHKA_PREFIX) else base
 
 
-def measure_reference_peak(
-    loss_name: str, model, rows: list[dict[str, str]], batch_size: int, dims: list[int], device: str
-) -> ReferencePeak | None:
-    """The uncached counterpart's peak on the first ``batch_size`` rows, or None if the loss does not cache."""
+def measure_reference_peak(loss_name: str, model, batch: list[dict[str, str]], dims: list[int], device: str) -> ReferencePeak | None:
+    """The uncached counterpart's peak on ``batch`` (rows of text columns), or None if the loss does not cache."""
     counterpart = uncached_counterpart(loss_name)
     if counterpart is None:
         return None
     matryoshka = {"matryoshka_dims": dims} if counterpart.startswith(MATRYOSHKA_PREFIX) else {}
     loss = build_loss(counterpart, model, **matryoshka)
-    batch = rows[:batch_size]
     features = [preprocess(model, [row[column] for row in batch], device) for column in batch[0]]
     parameters = list(model.parameters())
     gradients = [parameter.grad for parameter in parameters]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     was_training = model.training
-    model.train()
+    cuda_devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     meter, peak_mib = "", None
     try:
-        for parameter in parameters:
-            parameter.grad = None
-        with measure_peak(device) as peak:
-            meter = peak.meter
-            loss(features, torch.zeros(len(batch), device=device)).backward()
+        with torch.random.fork_rng(devices=cuda_devices):
+            model.train()
+            for parameter in parameters:
+                parameter.grad = None
+            with measure_peak(device) as peak:
+                meter = peak.meter
+                loss(features, torch.zeros(len(batch), device=device)).backward()
         peak_mib = round(peak.peak_mib, 2)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
     finally:
         for parameter, gradient in zip(parameters, gradients):
             parameter.grad = gradient
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
         model.train(was_training)
     return ReferencePeak(counterpart, len(batch), peak_mib, meter)

@@ -193,10 +193,11 @@ class _Series:
         fitting = 0
         for size in _candidates(len(self.order), start):
             predicted = self._extrapolated(size)
-            if predicted is not None and self._step_peak(predicted, dim, size) > self.budget:
+            estimate = None if predicted is None else self._step_peak(predicted, dim, size)
+            if estimate is not None and estimate > self.budget:
                 # The graph grows linearly with the rows: a probe this size would pass the budget
                 # itself, on the step that measures. Its estimate stands in for it.
-                self.peaks[size] = self._step_peak(predicted, dim, size)
+                self.peaks[size] = estimate
                 return fitting
             rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
             passes = 1 if size >= self.rows else 2
@@ -217,10 +218,7 @@ class _Series:
         if len(self.order) < self.rows:
             # Columns that cannot share a forward pass: one pass holds every column's graph at once,
             # each at most as large as the longest column's.
-            whole = max(
-                graph_peak * len(self.layouts) + _step_overhead_bytes(self.rows, self.layouts, dim, self.rows),
-                self.update_bytes,
-            )
+            whole = self._step_peak(graph_peak * len(self.layouts), dim, self.rows)
             self.peaks[self.rows] = whole
             self.seconds[self.rows] = self.seconds[fitting] * len(self.layouts)
             if whole <= self.budget:
