@@ -355,6 +355,65 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     return records
 
 
+# The DeepSpeed side
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def deepspeed_config(stage: int) -> dict:
+    """ZeRO at ``stage`` in fp32 with the test's own SGD (the Trainer passes its optimizer the same way),
+    without DeepSpeed's default clipping at norm 1.0, which the reference step does not do."""
+    return {
+        "train_micro_batch_size_per_gpu": ROWS_PER_RANK,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) -> list[dict]:
+    """The case's steps under a DeepSpeed engine at ZeRO ``stage``, the engine in the loss as the Trainer
+    puts it there; each rank records the full (gathered) gradients and fp32 parameters."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    case = CASES[case_name]
+    rank = dist.get_rank()
+    model = load_model(model_dir, case.checkpointing)
+    loss = case.build(model, load_guide(guide_dir))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
+    use_wrapped_model(loss, engine)
+    records = []
+    for step in range(case.steps):
+        value = loss(features_of(model, rank_share(global_batch(step), rank)), None)
+        engine.backward(value)
+        record = {"loss": value.item()}
+        grads = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
+        record["grads"] = {name: grad.clone() for name, grad in grads.items() if grad is not None}
+        engine.step()
+        record["params"] = {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
+        memory = memory_of(loss)
+        record["memory"] = None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+        records.append(record)
+    engine.destroy()
+    return records
+
+
+def run_deepspeed_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_names: list[str]) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    for name in case_names:
+        for stage in ZERO_STAGES:
+            torch.save(deepspeed_run(name, stage, model_dir, guide_dir), out_dir / f"{name}-zero{stage}-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def without_unused_parameter_detection(model_dir: Path) -> dict:
     """Two steps under DDP with find_unused_parameters=False, on a model whose BERT pooler the loss
     never uses: the gradient of one used weight after the first step, and the error of the second.
@@ -518,6 +577,11 @@ def main() -> None:
     losses_parser.add_argument("--guide", type=Path, required=True)
     losses_parser.add_argument("--out", type=Path, required=True)
     losses_parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    deepspeed_parser = sub.add_parser("deepspeed")
+    deepspeed_parser.add_argument("--model", type=Path, required=True)
+    deepspeed_parser.add_argument("--guide", type=Path, required=True)
+    deepspeed_parser.add_argument("--out", type=Path, required=True)
+    deepspeed_parser.add_argument("cases", nargs="+", choices=sorted(CASES))
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -525,6 +589,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "losses":
         run_loss_checks(args.model, args.guide, args.out, args.cases)
+    elif args.mode == "deepspeed":
+        run_deepspeed_checks(args.model, args.guide, args.out, args.cases)
     else:
         run_training_scripts(args.model, args.classifier, args.out)
 

@@ -22,7 +22,7 @@ the cached gradients of all of them through one graph.
 Frozen encoders (a GIST guide) need no gradient, so their embeddings are computed once in (1) and
 never again. A loss plugs into :func:`gradcache_forward` by providing the :class:`CachedLoss`
 protocol; everything that belongs to one forward pass (features, plan, RNG states, gradients) is
-passed to the backward hook as arguments, so a second forward pass cannot corrupt the first.
+passed to the loss's backward as arguments, so a second forward pass cannot corrupt the first.
 """
 
 from __future__ import annotations
@@ -30,18 +30,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext import checkpointing
-from st_ext._compat import fsdp2_module_class, st_modules, unwrapped_model
+from st_ext._compat import st_modules, unwrapped_model
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
+from st_ext.losses.gradient_sync import gradient_sync
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     Features,
     Ranges,
@@ -212,11 +211,11 @@ class ReplayPlan:
 
 
 def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
-    """Step (3), a hook on the loss: re-embed each mini-batch with a graph, back-propagate its cached gradients.
+    """Step (3), the loss's backward: re-embed each mini-batch with a graph, back-propagate its cached gradients.
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
-    gradient-accumulation divisor), so every mini-batch receives it. Under DDP and FSDP2 only the last
-    mini-batch synchronises gradients.
+    gradient-accumulation divisor), so every mini-batch receives it. Under a distributed engine only
+    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.losses.gradient_sync`).
     """
     last = len(replay.plan.minibatches) - 1
     jobs = zip(replay.plan.minibatches, replay.rng_states, replay.grads)
@@ -224,7 +223,7 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
         for index, (minibatch, state, grads) in enumerate(
             tqdm(list(jobs), desc="Backward mini-batches", disable=not replay.show_progress_bar)
         ):
-            with _sync_unless_last(replay.model, last=index == last):
+            with gradient_sync(replay.model, sync=index == last):
                 features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
                 with state.replay():
                     outputs = replay.encoder(replay.model, features)
@@ -259,27 +258,6 @@ def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor 
 
 def _checkpointed(model: nn.Module, on: bool):
     return checkpointing.switched_on(model) if on else nullcontext()
-
-
-def _sync_unless_last(model: nn.Module, last: bool):
-    """Gradients are reduced across ranks once per step, by the last mini-batch's backward: DDP's
-    ``no_sync`` before it; FSDP2 (``fully_shard``) accumulates unsharded gradients until it, then
-    reduce-scatters them."""
-    if isinstance(model, DistributedDataParallel) and not last:
-        return model.no_sync()
-    fsdp_module = fsdp2_module_class()
-    if fsdp_module is not None and isinstance(model, fsdp_module):
-        return _fsdp2_gradient_sync(model, last)
-    return nullcontext()
-
-
-@contextmanager
-def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    model.set_requires_gradient_sync(sync)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def gradcache_forward(
@@ -341,9 +319,22 @@ def gradcache_forward(
         batching.checkpointing,
         encoder,
     )
-    result = value.detach().requires_grad_()
-    result.register_hook(partial(replay_backward, replay=replay))
-    return result
+    return _ReplayOnBackward.apply(value.detach().requires_grad_(), replay)
+
+
+class _ReplayOnBackward(torch.autograd.Function):
+    """The loss's value, whose backward runs step (3). A loss made by an operation (with a ``grad_fn``),
+    as DeepSpeed's ``engine.backward`` requires; the leaf it is made from receives no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, replay: ReplayPlan) -> Tensor:
+        ctx.replay = replay
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None]:
+        replay_backward(grad_output, ctx.replay)
+        return None, None
 
 
 def weighted_term(

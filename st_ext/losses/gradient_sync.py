@@ -1,0 +1,73 @@
+"""Holding the cross-rank gradient reduction of a cached step until its last mini-batch.
+
+A cached loss back-propagates once per mini-batch. Every engine that shards or replicates a model
+across ranks reduces gradients from hooks that fire on each backward, so left alone it would reduce
+once per mini-batch: DDP all-reduces every time (correct, and wasteful), FSDP2 reduce-scatters every
+time, and DeepSpeed ZeRO stages 2 and 3 refuse a parameter's second reduction within a step
+("Gradient computed twice for this partition"). Each engine has its own switch meaning "accumulate
+locally, reduce later"; this module is the one place that knows them.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from st_ext._compat import fsdp2_module_class
+
+#: The parameter attribute DeepSpeed ZeRO (0.17 and later) reads before queueing a gradient for
+#: reduction: while it is False the gradient accumulates in ``.grad`` and is not reduced.
+DEEPSPEED_READY_FLAG = "ds_grad_is_ready"
+
+
+def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
+    """Backward passes inside this context reduce gradients across ranks only if ``sync``.
+
+    With ``sync=False`` gradients accumulate on the rank; the first backward with ``sync=True``
+    reduces everything accumulated so far, so a step reduces once whatever its mini-batch count.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return nullcontext() if sync else model.no_sync()
+    fsdp_module = fsdp2_module_class()
+    if fsdp_module is not None and isinstance(model, fsdp_module):
+        return _fsdp2_gradient_sync(model, sync)
+    if deepspeed_in_use():
+        return _deepspeed_gradient_sync(model, sync)
+    return nullcontext()
+
+
+def deepspeed_in_use() -> bool:
+    """DeepSpeed is imported only by a process that trains with it (the Trainer imports it lazily)."""
+    return "deepspeed" in sys.modules
+
+
+@contextmanager
+def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextmanager
+def _deepspeed_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """ZeRO's hooks queue a gradient for reduction only while the parameter's flag is True (or unset);
+    the flags are put back as they were, absent where they were absent."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    missing = object()
+    before = [getattr(p, DEEPSPEED_READY_FLAG, missing) for p in params]
+    for param in params:
+        setattr(param, DEEPSPEED_READY_FLAG, sync)
+    try:
+        yield
+    finally:
+        for param, value in zip(params, before):
+            if value is missing:
+                delattr(param, DEEPSPEED_READY_FLAG)
+            else:
+                setattr(param, DEEPSPEED_READY_FLAG, value)
