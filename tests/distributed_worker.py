@@ -362,12 +362,14 @@ ZERO_STAGES = (1, 2, 3)
 
 def deepspeed_config(stage: int) -> dict:
     """ZeRO at ``stage`` in fp32 with the test's own SGD (the Trainer passes its optimizer the same way),
-    without DeepSpeed's default clipping at norm 1.0, which the reference step does not do."""
+    without DeepSpeed's default clipping at norm 1.0, which the reference step does not do. Its buckets
+    are small: the default reduction bucket (5e8 elements, 1.9 GiB in fp32) is allocated at the first
+    backward, which an auto mini-batch budget would rightly count."""
     return {
         "train_micro_batch_size_per_gpu": ROWS_PER_RANK,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**16, "allgather_bucket_size": 2**16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -402,6 +404,33 @@ def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) 
     return records
 
 
+def deepspeed_auto_run(stage: int, model_dir: Path) -> dict:
+    """One step of MatryoshkaLoss(CachedMNRL) with ``mini_batch_size="auto"`` and a budget under ZeRO
+    ``stage``: the record of the step, or the error it raised."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from st_ext import losses
+
+    model = load_model(model_dir)
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=1)
+    loss = losses.MatryoshkaLoss(model, inner, MATRYOSHKA_DIMS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
+    use_wrapped_model(loss, engine)
+    try:
+        value = loss(features_of(model, rank_share(global_batch(0), dist.get_rank())), None)
+    except ValueError as error:
+        engine.destroy()
+        return {"error": str(error)}
+    engine.backward(value)
+    grads = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
+    record = {"error": None, "loss": value.item(), "size": inner.auto_mini_batch.choice.size}
+    record["grads"] = {name: grad.clone() for name, grad in grads.items() if grad is not None}
+    engine.destroy()
+    return record
+
+
 def run_deepspeed_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_names: list[str]) -> None:
     import deepspeed
 
@@ -410,6 +439,8 @@ def run_deepspeed_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_n
     for name in case_names:
         for stage in ZERO_STAGES:
             torch.save(deepspeed_run(name, stage, model_dir, guide_dir), out_dir / f"{name}-zero{stage}-rank{rank}.pt")
+    for stage in ZERO_STAGES:
+        torch.save(deepspeed_auto_run(stage, model_dir), out_dir / f"auto-zero{stage}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -212,6 +212,26 @@ def test_deepspeed_step_matches_single_process(name, stage, deepspeed_loss_run, 
         assert_same_step(step_ranks, expected, worker.CASES[name].gathered, step)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_auto_mini_batch_measures_without_reducing(stage, deepspeed_loss_run, model_dirs):
+    """Under ZeRO 1 and 2, mini_batch_size="auto" probes each rank's memory with backward passes that
+    reduce nothing, chooses mini-batches smaller than the rank's batch, and trains the same step."""
+    reference = worker.single_process_run("matryoshka_cmnrl", model_dirs["model"], model_dirs["guide"])[0]
+    ranks = rank_results(deepspeed_loss_run, f"auto-zero{stage}")
+    for rank, result in enumerate(ranks):
+        assert result["error"] is None, result["error"]
+        assert result["size"] < worker.ROWS_PER_RANK * len(worker.COLUMNS), f"rank {rank} took the whole batch"
+        assert_close_tensors(without_unused_zeros(result, reference)["grads"], reference["grads"], f"rank {rank}")
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in ranks]), torch.tensor(reference["rank_losses"]))
+
+
+def test_deepspeed_zero3_refuses_auto_mini_batch(deepspeed_loss_run):
+    """Under ZeRO-3 each forward pass gathers parameters, a collective a rank cannot run alone to measure
+    itself: the auto mode says so and asks for a fixed size, instead of leaving ranks waiting on each other."""
+    for result in rank_results(deepspeed_loss_run, "auto-zero3"):
+        assert result["error"] is not None and "Set a fixed mini_batch_size" in result["error"], result["error"]
+
+
 def without_unused_zeros(result: dict, reference: dict) -> dict:
     """DeepSpeed keeps gradients in flat buffers, so a parameter the loss never uses (BERT's pooler)
     reads zeros where a plain step leaves None; those must be zeros, and are then left out."""

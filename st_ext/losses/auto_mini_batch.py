@@ -35,10 +35,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
 from st_ext import checkpointing
 from st_ext.losses.features import Features
+from st_ext.losses.gradient_sync import gradient_sync, parameters_sharded
 from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
 from st_ext.memory import measure_peak
 
@@ -311,7 +311,7 @@ def _probe_peak(
     accumulates would find them), and the originals are put back untouched.
     """
     module = getattr(model, "_orig_mod", model)  # torch.compile: no recompilation for probe shapes
-    local = module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+    local = gradient_sync(module, sync=False)
     params = [p for p in module.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
     dim, meter = 0, ""
@@ -394,6 +394,12 @@ def resolved_mini_batch_size(
     if holder.mini_batch_size != AUTO:
         yield MiniBatching(loss.mini_batch_size, getattr(loss, "mini_batch_num_tokens", None))
         return
+    if parameters_sharded(loss.model):
+        raise ValueError(
+            f"{type(loss).__name__}: mini_batch_size='auto' measures each rank on its own, which a model whose "
+            "parameters are sharded across ranks (FSDP, DeepSpeed ZeRO-3) cannot do: every forward pass is a "
+            "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
+        )
     state = holder.auto_mini_batch
     size = state.size_for(loss.model, sentence_features, layouts)
     holder.mini_batch_size = size

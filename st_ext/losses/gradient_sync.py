@@ -40,6 +40,15 @@ def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
     return nullcontext()
 
 
+def parameters_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are split across ranks (FSDP2, DeepSpeed ZeRO-3): every forward
+    pass then gathers them, a collective that all ranks must enter together."""
+    fsdp_module = fsdp2_module_class()
+    if fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules()):
+        return True
+    return any(hasattr(param, "ds_id") for param in model.parameters())
+
+
 def deepspeed_in_use() -> bool:
     """DeepSpeed is imported only by a process that trains with it (the Trainer imports it lazily)."""
     return "deepspeed" in sys.modules
