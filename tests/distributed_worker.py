@@ -513,6 +513,7 @@ TRAINER_SETTINGS = dict(
     gradient_checkpointing=True,
     ddp_backend="gloo",
     use_cpu=True,
+    optim="sgd",  # linear in the gradients, so engines that reduce in another order agree to round-off
     learning_rate=1e-3,
     save_strategy="no",
     report_to="none",
@@ -521,8 +522,9 @@ TRAINER_SETTINGS = dict(
 )
 
 
-def train_sentence_transformer(model_dir: Path, output_dir: Path):
-    """A plain st_ext script: cached Matryoshka loss, gradient checkpointing, two steps on the CPU."""
+def train_sentence_transformer(model_dir: Path, output_dir: Path, **engine_settings):
+    """A plain st_ext script: cached Matryoshka loss, gradient checkpointing, two steps on the CPU; the
+    trained model is saved in ``output_dir/final``. ``engine_settings`` replace training arguments."""
     from datasets import Dataset
 
     from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
@@ -533,9 +535,10 @@ def train_sentence_transformer(model_dir: Path, output_dir: Path):
     loss = losses.MatryoshkaLoss(
         model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE), MATRYOSHKA_DIMS
     )
-    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **TRAINER_SETTINGS)
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **{**TRAINER_SETTINGS, **engine_settings})
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
     trainer.train()
+    trainer.save_model(str(output_dir / "final"))
     return trainer
 
 
@@ -569,6 +572,7 @@ def trainer_report(trainer) -> dict:
     wrapped = trainer.model_wrapped
     return {
         "world_size": trainer.args.world_size,
+        "processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "global_step": trainer.state.global_step,
         "wrapped_in": type(wrapped).__name__,
@@ -578,10 +582,10 @@ def trainer_report(trainer) -> dict:
     }
 
 
-def run_and_report(train: Callable, *args) -> dict:
+def run_and_report(train: Callable, *args, **kwargs) -> dict:
     """The trainer's report, or the error it stopped with (raised alike on every rank, so none hangs)."""
     try:
-        return {"report": trainer_report(train(*args)), "error": None}
+        return {"report": trainer_report(train(*args, **kwargs)), "error": None}
     except RuntimeError as error:
         return {"report": None, "error": f"{type(error).__name__}: {error}"}
 
@@ -600,6 +604,36 @@ def run_training_scripts(model_dir: Path, classifier_dir: Path, out_dir: Path) -
         dist.destroy_process_group()
 
 
+def trainer_deepspeed_config(stage: int) -> dict:
+    """What a user writes for the Trainer: sizes, clipping and optimizer left to the Trainer ("auto"); at
+    stage 3 the weights are gathered on save, so that the saved model holds them."""
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {"stage": stage}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def run_deepspeed_training(model_dir: Path, out_dir: Path, stage: int) -> None:
+    """The unchanged sentence-transformer script with the Trainer's ``deepspeed`` argument at ``stage``.
+
+    Without ``use_cpu``: with it, accelerate trains with DDP and ignores the DeepSpeed config; DeepSpeed
+    picks its CPU accelerator itself. On a machine without an accelerator, accelerate then counts one
+    process (it finds no backend) while DeepSpeed's engine spans both ranks: every rank reads the whole
+    dataset and the engine averages identical gradients, so the run equals one process's training.
+    """
+    rank = int(os.environ["RANK"])
+    settings = {"deepspeed": trainer_deepspeed_config(stage), "use_cpu": False}
+    report = run_and_report(train_sentence_transformer, model_dir, out_dir / f"zero{stage}", **settings)
+    (out_dir / f"train-zero{stage}-rank{rank}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -613,6 +647,10 @@ def main() -> None:
     deepspeed_parser.add_argument("--guide", type=Path, required=True)
     deepspeed_parser.add_argument("--out", type=Path, required=True)
     deepspeed_parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    deepspeed_train_parser = sub.add_parser("deepspeed-train")
+    deepspeed_train_parser.add_argument("--model", type=Path, required=True)
+    deepspeed_train_parser.add_argument("--out", type=Path, required=True)
+    deepspeed_train_parser.add_argument("--stage", type=int, choices=ZERO_STAGES, required=True)
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -622,6 +660,8 @@ def main() -> None:
         run_loss_checks(args.model, args.guide, args.out, args.cases)
     elif args.mode == "deepspeed":
         run_deepspeed_checks(args.model, args.guide, args.out, args.cases)
+    elif args.mode == "deepspeed-train":
+        run_deepspeed_training(args.model, args.out, args.stage)
     else:
         run_training_scripts(args.model, args.classifier, args.out)
 

@@ -119,6 +119,26 @@ def deepspeed_loss_run(model_dirs, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", params=worker.ZERO_STAGES, ids=lambda stage: f"zero{stage}")
+def deepspeed_training(request, model_dirs, tmp_path_factory) -> tuple[int, Path]:
+    """The ZeRO stage, and the directory where the training script saved its reports and model under it."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (requirements/test.txt)")
+    out = tmp_path_factory.mktemp(f"deepspeed_training_zero{request.param}")
+    torchrun(
+        "deepspeed-train", "--model", str(model_dirs["model"]), "--out", str(out), "--stage", str(request.param),
+        log=out / "torchrun.log",
+    )  # fmt: skip
+    return request.param, out
+
+
+@pytest.fixture(scope="module")
+def single_process_training(model_dirs, tmp_path_factory) -> Path:
+    """Where the same training script, run here in one process, saved its model."""
+    out = tmp_path_factory.mktemp("single_process_training")
+    worker.train_sentence_transformer(model_dirs["model"], out, ddp_backend=None)  # no process group here
+    return out / "final"
+
+
 @pytest.fixture(scope="module")
 def trainer_reports(model_dirs, tmp_path_factory) -> list[dict]:
     """Each rank's report of the unchanged training scripts, rank 0 first."""
@@ -302,3 +322,28 @@ def test_trainer_runs_under_torchrun_with_checkpointing(trainer, trainer_reports
         assert report["checkpointing"] is True
         assert report["global_step"] == 2
     assert reports[0]["digest"] == reports[1]["digest"], "the replicas' weights differ after training"
+
+
+def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_training, single_process_training, model_dirs):
+    """The unchanged script with the Trainer's ``deepspeed`` argument trains the cached Matryoshka loss
+    with gradient checkpointing at each ZeRO stage; plain sentence-transformers loads what it saved, and
+    the weights equal one process's training (see ``run_deepspeed_training`` for why one process's)."""
+    from sentence_transformers import SentenceTransformer
+
+    stage, out = deepspeed_training
+    runs = [json.loads((out / f"train-zero{stage}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    for run in runs:
+        assert run["error"] is None, run["error"]
+        assert run["report"]["wrapped_in"] == "DeepSpeedEngine"
+        assert run["report"]["global_step"] == 2
+        assert run["report"]["checkpointing"] is True
+
+    def weights(path: Path) -> dict:
+        model = SentenceTransformer(str(path), device="cpu")
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+    saved, expected, initial = (
+        weights(out / f"zero{stage}" / "final"), weights(single_process_training), weights(model_dirs["model"])
+    )
+    assert_close_tensors(saved, expected, f"ZeRO-{stage} trained weights")
+    assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"
