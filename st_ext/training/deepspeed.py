@@ -1,0 +1,97 @@
+"""A Trainer's DeepSpeed set-up, checked when the trainer is built rather than found wrong after training.
+
+st_ext's cached losses train under every ZeRO stage: each replayed mini-batch's backward leaves the
+parameters' reduction to the last one (:mod:`st_ext.losses.gradient_sync`), through a parameter flag
+that DeepSpeed reads from 0.17 on. What cannot work is refused here, in one line that says what does:
+
+* sentence-transformers' own cached losses return a loss without a ``grad_fn`` (DeepSpeed's
+  ``engine.backward`` refuses it) and reduce once per mini-batch ("Gradient computed twice for this
+  partition" from ZeRO stage 2);
+* before DeepSpeed 0.17 nothing holds the reduction back, so only ZeRO stage 1 without
+  ``overlap_comm`` (which reduces in ``step()``, not from hooks) trains a cached loss;
+* at ZeRO stage 3 without ``stage3_gather_16bit_weights_on_model_save`` the weights are never gathered
+  on save: sentence-transformers' save then fails on every rank but the first, after training.
+
+``use_cpu=True`` with a DeepSpeed config makes accelerate train with DDP and ignore the config; that
+stays upstream's behaviour, with a warning.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from typing import Any, Iterable
+
+from packaging.version import Version
+from torch import nn
+
+from st_ext._compat import is_gradient_caching
+
+#: The first DeepSpeed release whose ZeRO hooks read ``ds_grad_is_ready``.
+DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
+
+
+def check_deepspeed_setup(args: Any, losses: Iterable[Any]) -> None:
+    """Raise ``ValueError`` for a DeepSpeed configuration the trainer's losses cannot train or save under."""
+    config = getattr(args, "hf_deepspeed_config", None)
+    if config is None:
+        return
+    if getattr(args, "use_cpu", False):
+        warnings.warn(
+            "use_cpu=True with a DeepSpeed config: accelerate trains with DDP and ignores the config. Leave "
+            "use_cpu unset to train with DeepSpeed (it finds the CPU itself where there is no accelerator).",
+            stacklevel=3,
+        )
+        return
+    stage = int(config.get_value("zero_optimization.stage", 0) or 0)
+    cached = [module for loss in losses for module in _modules(loss) if is_gradient_caching(module)]
+    for module in cached:
+        if not _from_st_ext(module):
+            name = type(module).__name__
+            instead = f"use st_ext.losses.{name}" if name in _st_ext_loss_names() else "st_ext has no replacement for it"
+            raise ValueError(
+                f"sentence-transformers' {name} cannot train under DeepSpeed (its loss has no grad_fn for "
+                f"engine.backward, and from ZeRO stage 2 each mini-batch reduces again); {instead}."
+            )
+    if cached and stage >= 1:
+        _require_reduction_hold(stage, bool(config.get_value("zero_optimization.overlap_comm", False)))
+    if stage == 3 and not config.is_true("zero_optimization.stage3_gather_16bit_weights_on_model_save"):
+        raise ValueError(
+            "DeepSpeed ZeRO stage 3 without stage3_gather_16bit_weights_on_model_save: saving the model would fail "
+            'after training. Set "stage3_gather_16bit_weights_on_model_save": true under "zero_optimization".'
+        )
+
+
+def deepspeed_version() -> Version | None:
+    try:
+        return Version(importlib.metadata.version("deepspeed"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:
+    version = deepspeed_version()
+    if version is None or version >= DEEPSPEED_HOLDS_REDUCTION:
+        return
+    if stage == 1 and not overlap_comm:
+        return
+    setting = f"ZeRO stage {stage}" + (" with overlap_comm" if stage == 1 else "")
+    raise ValueError(
+        f"Cached losses under DeepSpeed {setting} need deepspeed>={DEEPSPEED_HOLDS_REDUCTION} (installed: "
+        f"{version}); upgrade it, or use ZeRO stage 1 without overlap_comm, which works with {version}."
+    )
+
+
+def _modules(loss: Any) -> list[Any]:
+    return list(loss.modules()) if isinstance(loss, nn.Module) else [loss]
+
+
+def _from_st_ext(module: Any) -> bool:
+    """st_ext's losses present upstream's ``__module__`` (for model cards) and keep their own in ``st_ext_module``."""
+    return any(cls.__dict__.get("st_ext_module", cls.__module__).startswith("st_ext.") for cls in type(module).__mro__)
+
+
+def _st_ext_loss_names() -> list[str]:
+    from st_ext.losses import ST_EXT_LOSSES
+
+    return ST_EXT_LOSSES
