@@ -5,6 +5,7 @@ constructs. The training itself runs on two ranks in ``tests/test_distributed.py
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,16 +23,20 @@ GATHER_ON_SAVE = "stage3_gather_16bit_weights_on_model_save"
 
 
 @pytest.fixture(autouse=True)
-def deepspeed_state_released(monkeypatch):
-    """Arguments with a ZeRO-3 config make every later from_pretrained in the process partition its
-    model (transformers keeps the config globally); release it, and accelerate's state, after each test."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+def deepspeed_state_released():
+    """What a DeepSpeed trainer leaves in the process is put back after each test: transformers keeps the
+    config globally (a ZeRO-3 one makes every later from_pretrained partition its model), accelerate
+    keeps its state, and exports ACCELERATE_USE_DEEPSPEED and friends, which later trainers would obey."""
+    environment = dict(os.environ)
+    os.environ["DS_ACCELERATOR"] = "cpu"
     yield
     from accelerate.state import AcceleratorState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.fixture(scope="module")
