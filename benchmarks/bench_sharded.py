@@ -10,9 +10,12 @@ ranks (torchrun, gloo on the CPU, or NCCL with ``--cuda``), in one run:
 
 The model is a BERT of ``--layers`` x ``--hidden`` with random weights and all-MiniLM-L6-v2's
 tokenizer (weights do not change memory or time); AdamW in fp32, so a rank's model states are
-16 bytes per parameter before sharding. Memory is the rank's peak resident set (CPU) or the CUDA
-allocator's peak, above its level before the model was built (DeepSpeed's buckets set to 1e7 elements,
-40 MB each in fp32); time is the median step after the first.
+16 bytes per parameter before sharding. Memory is each rank's peak tensor memory from before the model
+is loaded to the last step (``st_ext.memory.measure_peak``: the CUDA allocator, or the torch profiler's
+allocation events on the CPU), so parameters, gradients, optimizer states, the engine's buffers and
+activations all count; the CPU table adds the peak resident set above the level after imports, which
+also holds the allocator's and communication libraries' own memory. DeepSpeed's buckets are set to 1e7
+elements (40 MB each in fp32). Time is the median step after the first.
 
     python benchmarks/bench_sharded.py                        # about 5 minutes on a 2-core CPU
     python benchmarks/bench_sharded.py --cuda --layers 24 --hidden 1024 --batch-size 64 --mini-batch-size 16
@@ -35,6 +38,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from st_ext.memory import measure_peak  # noqa: E402
 
 ENGINES = ["one process", "ddp", "fsdp2", "zero1", "zero2", "zero3", "upstream ddp", "upstream zero2"]
 
@@ -114,11 +119,8 @@ def batch(model, args, step: int, rank: int):
 
 
 def memory_now(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The peak resident set so far (CPU; CUDA figures come from the allocator alone)."""
+    return 0 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_rank(engine: str, args) -> dict:
@@ -138,6 +140,26 @@ def run_rank(engine: str, args) -> dict:
         dist.init_process_group("nccl" if args.cuda else "gloo")
     rank = dist.get_rank() if distributed else 0
     before = memory_now(device)
+    with measure_peak(device) as tensors:
+        seconds, error, params = train_steps(engine, args, device, rank)
+    result = {
+        "rank": rank,
+        "params": params,
+        "tensor_bytes": tensors.peak_bytes,
+        "rss_bytes": None if args.cuda else memory_now(device) - before,
+        "step_seconds": statistics.median(seconds[1:] or seconds) if seconds else None,
+        "error": error,
+    }
+    if distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str | None, int]:
+    """``args.steps`` steps under ``engine``: the seconds of each, the error that stopped them, the parameter count."""
+    import torch
+
     torch.manual_seed(0)
     model = load_model(Path(args.out), device).train()
     loss = build_loss(model, args, upstream=engine.startswith("upstream"))
@@ -179,17 +201,7 @@ def run_rank(engine: str, args) -> dict:
             seconds.append(time.perf_counter() - start)
     except (AssertionError, RuntimeError, ValueError) as caught:
         error = f"{type(caught).__name__}: {str(caught).splitlines()[0][:90]}"
-    result = {
-        "rank": rank,
-        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-        "peak_bytes": memory_now(device) - before,
-        "step_seconds": statistics.median(seconds[1:] or seconds) if seconds else None,
-        "error": error,
-    }
-    if distributed and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return result
+    return seconds, error, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def swap_model(loss, model, wrapped) -> None:
@@ -256,23 +268,27 @@ def main() -> None:
     ddp = rows.get("ddp", [{}])[0]
     upstream_ddp = rows.get("upstream ddp", [{}])[0]
     print(f"# parameters: {single.get('params') or ddp.get('params')}")
-    print(f"{'engine':<16}{'MiB per rank':>14}{'vs one process':>16}{'s / step':>10}{'vs DDP':>8}{'vs upstream DDP':>17}  error")
+    print(
+        f"{'engine':<16}{'tensor MiB/rank':>16}{'vs one process':>16}{'RSS MiB/rank':>14}"
+        f"{'s / step':>10}{'vs DDP':>8}{'vs upstream DDP':>17}  error"
+    )
     for engine, ranks in rows.items():
-        if ranks[0].get("error") and ranks[0].get("peak_bytes") is None:
-            print(f"{engine:<16}{'':>14}{'':>16}{'':>10}{'':>8}{'':>17}  {ranks[0]['error']}")
+        if ranks[0].get("tensor_bytes") is None:
+            print(f"{engine:<16}{'':>81}  {ranks[0]['error']}")
             continue
-        peak = max(rank["peak_bytes"] for rank in ranks)
+        tensors = max(rank["tensor_bytes"] for rank in ranks)
+        rss = max(rank["rss_bytes"] or 0 for rank in ranks)
         seconds = max((rank["step_seconds"] or 0) for rank in ranks) or None
         error = next((rank["error"] for rank in ranks if rank["error"]), "")
-
-        def ratio(value, reference):
-            return f"{value / reference:.2f}x" if value and reference else "-"
-
         print(
-            f"{engine:<16}{peak / 2**20:>14.0f}{ratio(peak, single.get('peak_bytes')):>16}"
-            f"{(f'{seconds:.2f}' if seconds else '-'):>10}{ratio(seconds, ddp.get('step_seconds')):>8}"
-            f"{ratio(seconds, upstream_ddp.get('step_seconds')):>17}  {error}"
+            f"{engine:<16}{tensors / 2**20:>16.0f}{ratio(tensors, single.get('tensor_bytes')):>16}"
+            f"{(f'{rss / 2**20:.0f}' if rss else '-'):>14}{(f'{seconds:.2f}' if seconds else '-'):>10}"
+            f"{ratio(seconds, ddp.get('step_seconds')):>8}{ratio(seconds, upstream_ddp.get('step_seconds')):>17}  {error}"
         )
+
+
+def ratio(value, reference) -> str:
+    return f"{value / reference:.2f}x" if value and reference else "-"
 
 
 if __name__ == "__main__":
