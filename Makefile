@@ -27,7 +27,7 @@ test: test-st6 test-st4
 # Phony targets skip implicit rules, so each test-<env> target is spelled out from one template.
 define test_env
 test-$(1): $(VENV)/$(1)/.ready
-	@echo "== sentence-transformers $$$$($(VENV)/$(1)/bin/python -c 'import sentence_transformers as s; print(s.__version__)')"
+	@echo "== sentence-transformers $$$$($(VENV)/$(1)/bin/python -c 'import importlib.metadata as m; print(m.version("sentence-transformers"))')"
 	$(VENV)/$(1)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 endef
 $(foreach env,$(ENVS),$(eval $(call test_env,$(env))))
