@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from st_ext.memory import measure_peak  # noqa: E402
+from st_ext.training.ddp import swap_model_in_loss  # noqa: E402
 
 ENGINES = ["one process", "ddp", "fsdp2", "zero1", "zero2", "zero3", "upstream ddp", "upstream zero2"]
 
@@ -167,7 +168,7 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
     backward, step = None, None
     if engine.endswith("ddp"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
-        swap_model(loss, model, wrapped)
+        swap_model_in_loss(loss, wrapped)
     elif engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -185,7 +186,7 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
             "steps_per_print": 10**9,
         }
         ds_engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        swap_model(loss, model, ds_engine)
+        swap_model_in_loss(loss, ds_engine)
         backward, step = ds_engine.backward, ds_engine.step
     backward = backward or (lambda value: value.backward())
     step = step or (lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
@@ -202,13 +203,6 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
     except (AssertionError, RuntimeError, ValueError) as caught:
         error = f"{type(caught).__name__}: {str(caught).splitlines()[0][:90]}"
     return seconds, error, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-
-
-def swap_model(loss, model, wrapped) -> None:
-    """Put the engine where the loss keeps the model, as the Trainer does."""
-    for module in list(loss.modules()):
-        if module.__dict__.get("_modules", {}).get("model") is model:
-            module.model = wrapped
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,6 +201,12 @@ def memory_of(loss: nn.Module):
     return loss if isinstance(loss, CrossBatchMemoryLoss) else None
 
 
+def queued(loss: nn.Module) -> torch.Tensor | None:
+    """A copy of the loss's queued embeddings, or None (no cross-batch memory, or an empty one)."""
+    memory = memory_of(loss)
+    return None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+
+
 def features_of(model: nn.Module, columns: list[list[str]]) -> list[dict]:
     from st_ext._compat import preprocess
 
@@ -219,8 +225,7 @@ def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: nn.Mo
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     record["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
-    memory = memory_of(loss)
-    record["memory"] = None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+    record["memory"] = queued(loss)
 
 
 def single_process_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
@@ -349,8 +354,7 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         record["params"] = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
-        memory = memory_of(loss)
-        record["memory"] = None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+        record["memory"] = queued(loss)
         records.append(record)
     return records
 
@@ -375,30 +379,43 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
-def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) -> list[dict]:
-    """The case's steps under a DeepSpeed engine at ZeRO ``stage``, the engine in the loss as the Trainer
-    puts it there; each rank records the full (gathered) gradients and fp32 parameters."""
+def deepspeed_engine(model: nn.Module, loss: nn.Module, stage: int):
+    """``model`` under a DeepSpeed engine at ZeRO ``stage`` with SGD, the engine in the loss as the Trainer
+    puts it there."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
+    use_wrapped_model(loss, engine)
+    return engine
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient of ``model`` gathered whole from the engine's partitions (ZeRO 2 and 3 shard them)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    grads = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
+    return {name: grad.clone() for name, grad in grads.items() if grad is not None}
+
+
+def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) -> list[dict]:
+    """The case's steps under a DeepSpeed engine at ZeRO ``stage``; each rank records the full (gathered)
+    gradients and fp32 parameters."""
+    from deepspeed.utils import safe_get_full_fp32_param
 
     case = CASES[case_name]
     rank = dist.get_rank()
     model = load_model(model_dir, case.checkpointing)
     loss = case.build(model, load_guide(guide_dir))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
-    use_wrapped_model(loss, engine)
+    engine = deepspeed_engine(model, loss, stage)
     records = []
     for step in range(case.steps):
         value = loss(features_of(model, rank_share(global_batch(step), rank)), None)
         engine.backward(value)
-        record = {"loss": value.item()}
-        grads = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
-        record["grads"] = {name: grad.clone() for name, grad in grads.items() if grad is not None}
+        record = {"loss": value.item(), "grads": full_grads(model)}
         engine.step()
         record["params"] = {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
-        memory = memory_of(loss)
-        record["memory"] = None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
+        record["memory"] = queued(loss)
         records.append(record)
     engine.destroy()
     return records
@@ -407,26 +424,19 @@ def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) 
 def deepspeed_auto_run(stage: int, model_dir: Path) -> dict:
     """One step of MatryoshkaLoss(CachedMNRL) with ``mini_batch_size="auto"`` and a budget under ZeRO
     ``stage``: the record of the step, or the error it raised."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_grad
-
     from st_ext import losses
 
     model = load_model(model_dir)
     inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=1)
     loss = losses.MatryoshkaLoss(model, inner, MATRYOSHKA_DIMS)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(stage))
-    use_wrapped_model(loss, engine)
+    engine = deepspeed_engine(model, loss, stage)
     try:
         value = loss(features_of(model, rank_share(global_batch(0), dist.get_rank())), None)
     except ValueError as error:
         engine.destroy()
         return {"error": str(error)}
     engine.backward(value)
-    grads = {name: safe_get_full_grad(p) for name, p in model.named_parameters()}
-    record = {"error": None, "loss": value.item(), "size": inner.auto_mini_batch.choice.size}
-    record["grads"] = {name: grad.clone() for name, grad in grads.items() if grad is not None}
+    record = {"error": None, "loss": value.item(), "size": inner.auto_mini_batch.choice.size, "grads": full_grads(model)}
     engine.destroy()
     return record
 
@@ -572,7 +582,6 @@ def trainer_report(trainer) -> dict:
     wrapped = trainer.model_wrapped
     return {
         "world_size": trainer.args.world_size,
-        "processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "global_step": trainer.state.global_step,
         "wrapped_in": type(wrapped).__name__,

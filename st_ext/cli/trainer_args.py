@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from transformers.trainer_utils import get_last_checkpoint
+
 from st_ext import SentenceTransformerTrainingArguments
 from st_ext.cli.errors import ConfigError
 
@@ -81,13 +83,13 @@ def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None
         return None
     if wanted == LAST_CHECKPOINT:
         folder = checkpoint_folder(results_dir)
-        found = sorted(folder.glob("checkpoint-*"), key=_step_of) if folder.is_dir() else []
-        if not found:
+        found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+        if found is None:
             raise TrainerArgumentError(
                 f"resume_from_checkpoint: no checkpoint in {folder}; train with --save-strategy steps (or epoch) first, "
                 "or pass a checkpoint folder."
             )
-        return str(found[-1])
+        return found
     path = Path(str(wanted))
     if not (path / "trainer_state.json").is_file():
         raise TrainerArgumentError(
@@ -95,8 +97,3 @@ def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None
             f"folder or '{LAST_CHECKPOINT}'."
         )
     return str(path)
-
-
-def _step_of(checkpoint: Path) -> int:
-    suffix = checkpoint.name.rpartition("-")[2]
-    return int(suffix) if suffix.isdigit() else -1

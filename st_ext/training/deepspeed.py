@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
-from typing import Any, Iterable
+from typing import Any
 
 from packaging.version import Version
-from torch import nn
 
 from st_ext._compat import is_gradient_caching
+from st_ext.training.frozen_encoders import loss_modules
 
 #: The first DeepSpeed release whose ZeRO hooks read ``ds_grad_is_ready``.
 DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
 
 
-def check_deepspeed_setup(args: Any, losses: Iterable[Any]) -> None:
-    """Raise ``ValueError`` for a DeepSpeed configuration the trainer's losses cannot train or save under."""
+def check_deepspeed_setup(args: Any, loss: Any) -> None:
+    """Raise ``ValueError`` for a DeepSpeed configuration the trainer's loss (one, or a dict of them)
+    cannot train or save under."""
     config = getattr(args, "hf_deepspeed_config", None)
     if config is None:
         return
@@ -44,7 +45,7 @@ def check_deepspeed_setup(args: Any, losses: Iterable[Any]) -> None:
         )
         return
     stage = int(config.get_value("zero_optimization.stage", 0) or 0)
-    cached = [module for loss in losses for module in _modules(loss) if is_gradient_caching(module)]
+    cached = [module for module in loss_modules(loss) if is_gradient_caching(module)]
     for module in cached:
         if not _from_st_ext(module):
             name = type(module).__name__
@@ -80,10 +81,6 @@ def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:
         f"Cached losses under DeepSpeed {setting} need deepspeed>={DEEPSPEED_HOLDS_REDUCTION} (installed: "
         f"{version}); upgrade it, or use ZeRO stage 1 without overlap_comm, which works with {version}."
     )
-
-
-def _modules(loss: Any) -> list[Any]:
-    return list(loss.modules()) if isinstance(loss, nn.Module) else [loss]
 
 
 def _from_st_ext(module: Any) -> bool:

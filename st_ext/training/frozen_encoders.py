@@ -59,14 +59,19 @@ def require_resident(mode: str, trainer_name: str) -> str:
     return mode
 
 
-def _loss_modules(loss: Any) -> list[nn.Module]:
-    losses = loss.values() if isinstance(loss, dict) else [loss]
-    return [module for item in losses if isinstance(item, nn.Module) for module in item.modules()]
+def each_loss(loss: Any) -> list[Any]:
+    """A trainer's losses: its one loss, or each loss of its dict (one per dataset)."""
+    return list(loss.values()) if isinstance(loss, dict) else [loss]
+
+
+def loss_modules(loss: Any) -> list[nn.Module]:
+    """Every module of a trainer's loss (one loss, or a dict of them), wrapped losses included."""
+    return [module for item in each_loss(loss) if isinstance(item, nn.Module) for module in item.modules()]
 
 
 def frozen_encoder_losses(loss: Any) -> list[nn.Module]:
     """The loss modules (one loss, or a dict of them) whose frozen encoder st_ext can offload or precompute."""
-    found = [module for module in _loss_modules(loss) if isinstance(module, FrozenEncoderHolder)]
+    found = [module for module in loss_modules(loss) if isinstance(module, FrozenEncoderHolder)]
     return list({id(module): module for module in found}.values())
 
 
@@ -95,7 +100,7 @@ def _refuse_upstream_guided_losses(loss: Any, mode: str) -> None:
     found = sorted(
         {
             type(module).__name__
-            for module in _loss_modules(loss)
+            for module in loss_modules(loss)
             if isinstance(module, classes) and not isinstance(module, FrozenEncoderHolder)
         }
     )

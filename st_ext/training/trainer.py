@@ -31,7 +31,12 @@ from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
-from st_ext.training.frozen_encoders import apply_frozen_encoder_mode, require_resident, validate_frozen_encoder_mode
+from st_ext.training.frozen_encoders import (
+    apply_frozen_encoder_mode,
+    each_loss,
+    require_resident,
+    validate_frozen_encoder_mode,
+)
 
 _LENT_METHODS = (
     "gradient_checkpointing_enable",
@@ -70,7 +75,7 @@ class CheckpointingTrainerMixin:
         settings = kwargs.get("args", args[1] if len(args) > 1 else None)
         with keep_cpu_flag(settings):
             super().__init__(*args, **kwargs)
-        check_deepspeed_setup(self.args, self.loss.values() if isinstance(self.loss, dict) else [self.loss])
+        check_deepspeed_setup(self.args, self.loss)
 
     def train(self, *args, **kwargs):
         with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
@@ -149,7 +154,7 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         """Upstream's ``create_optimizer``; a loss with ``mini_batch_size="auto"`` is told the optimizer, so
         that its memory budget holds the whole step, the optimizer's update included."""
         optimizer = super().create_optimizer(*args, **kwargs)
-        for loss in self.loss.values() if isinstance(self.loss, dict) else [self.loss]:
+        for loss in each_loss(self.loss):
             auto = auto_mini_batch_of(loss)
             if auto is not None:
                 auto.optimizer = optimizer
