@@ -8,6 +8,10 @@ and the updated parameters, for the test to compare with a single process
 settings that fail: ``find_unused_parameters=False`` with BERT's unused pooler, and re-entrant
 checkpointing with ``find_unused_parameters=True``.
 
+``deepspeed`` mode: the loss cases' steps under a DeepSpeed engine at each ZeRO stage;
+``deepspeed-train`` and ``deepspeed-guide``: training scripts given the Trainer's ``deepspeed`` argument
+(see :func:`run_deepspeed_training` and :func:`run_guide_loaded_last`).
+
 ``train`` mode: ordinary st_ext training scripts (:func:`train_sentence_transformer`,
 :func:`train_cross_encoder`), with no distributed code in them, run unchanged; each rank reports what
 its trainer did.
@@ -532,16 +536,21 @@ TRAINER_SETTINGS = dict(
 )
 
 
+def two_step_dataset():
+    """The rows of two global batches, as a dataset of the three text columns."""
+    from datasets import Dataset
+
+    first, second = global_batch(0), global_batch(1)
+    return Dataset.from_dict({name: first[i] + second[i] for i, name in enumerate(COLUMNS)})
+
+
 def train_sentence_transformer(model_dir: Path, output_dir: Path, **engine_settings):
     """A plain st_ext script: cached Matryoshka loss, gradient checkpointing, two steps on the CPU; the
     trained model is saved in ``output_dir/final``. ``engine_settings`` replace training arguments."""
-    from datasets import Dataset
-
     from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
 
     model = sentence_transformer_from(model_dir)
-    first, second = global_batch(0), global_batch(1)
-    dataset = Dataset.from_dict({name: first[i] + second[i] for i, name in enumerate(COLUMNS)})
+    dataset = two_step_dataset()
     loss = losses.MatryoshkaLoss(
         model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE), MATRYOSHKA_DIMS
     )
@@ -626,18 +635,81 @@ def trainer_deepspeed_config(stage: int) -> dict:
     }
 
 
+#: The Trainer's settings for DeepSpeed at each ZeRO stage. Without ``use_cpu``: with it, accelerate
+#: trains with DDP and ignores the DeepSpeed config; DeepSpeed picks its CPU accelerator itself.
+DEEPSPEED_SETTINGS = {stage: {"deepspeed": trainer_deepspeed_config(stage), "use_cpu": False} for stage in ZERO_STAGES}
+
+
 def run_deepspeed_training(model_dir: Path, out_dir: Path, stage: int) -> None:
     """The unchanged sentence-transformer script with the Trainer's ``deepspeed`` argument at ``stage``.
 
-    Without ``use_cpu``: with it, accelerate trains with DDP and ignores the DeepSpeed config; DeepSpeed
-    picks its CPU accelerator itself. On a machine without an accelerator, accelerate then counts one
-    process (it finds no backend) while DeepSpeed's engine spans both ranks: every rank reads the whole
-    dataset and the engine averages identical gradients, so the run equals one process's training.
+    On a machine without an accelerator, accelerate counts one process (it finds no backend) while
+    DeepSpeed's engine spans both ranks: every rank reads the whole dataset and the engine averages
+    identical gradients, so the run equals one process's training.
     """
     rank = int(os.environ["RANK"])
-    settings = {"deepspeed": trainer_deepspeed_config(stage), "use_cpu": False}
+    settings = DEEPSPEED_SETTINGS[stage]
     report = run_and_report(train_sentence_transformer, model_dir, out_dir / f"zero{stage}", **settings)
     (out_dir / f"train-zero{stage}-rank{rank}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train_with_guide_loaded_last(
+    model_dir: Path, guide_dir: Path, output_dir: Path, frozen_encoders: str = "resident", **engine_settings
+):
+    """An arguments-first st_ext script, as scripts parsing their arguments with ``HfArgumentParser``
+    are: the training arguments, then the model and its GIST guide, cached GIST loss, two steps; the
+    trained model is saved in ``output_dir/final``. Returns the trainer and whether the guide was
+    partitioned across ranks when the loss got it."""
+    from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from st_ext.losses.gradient_sync import zero3_partitioned
+
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **{**TRAINER_SETTINGS, **engine_settings})
+    model, guide = sentence_transformer_from(model_dir), load_guide(guide_dir)
+    partitioned = zero3_partitioned(guide)
+    loss = cached_gist(gathered=False)(model, guide)
+    dataset = two_step_dataset()
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=dataset, loss=loss, frozen_encoders=frozen_encoders
+    )
+    trainer.train()
+    trainer.save_model(str(output_dir / "final"))
+    return trainer, partitioned
+
+
+def offload_refusal(model_dir: Path, guide_dir: Path, output_dir: Path) -> str | None:
+    """The error of ``frozen_encoders="offload"`` for a guide loaded (so partitioned) after ZeRO-3 arguments."""
+    from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    settings = {**TRAINER_SETTINGS, **DEEPSPEED_SETTINGS[3]}
+    args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **settings)
+    model, guide = sentence_transformer_from(model_dir), load_guide(guide_dir)
+    try:
+        SentenceTransformerTrainer(
+            model=model, args=args, train_dataset=two_step_dataset(), loss=cached_gist(gathered=False)(model, guide),
+            frozen_encoders="offload",
+        )  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, frozen_encoders: str) -> None:
+    """The arguments-first GIST script under ZeRO-3 (see ``run_deepspeed_training`` for what it equals)."""
+    rank = int(os.environ["RANK"])
+    output_dir = out_dir / frozen_encoders
+    try:
+        trainer, partitioned = train_with_guide_loaded_last(
+            model_dir, guide_dir, output_dir, frozen_encoders, **DEEPSPEED_SETTINGS[3]
+        )
+        report = {"report": trainer_report(trainer), "guide_partitioned": partitioned, "error": None}
+    except (RuntimeError, ValueError) as error:
+        report = {"report": None, "error": f"{type(error).__name__}: {error}"}
+    if frozen_encoders == "resident":
+        report["offload_error"] = offload_refusal(model_dir, guide_dir, out_dir / "offload")
+    (out_dir / f"guide-{frozen_encoders}-rank{rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -660,6 +732,11 @@ def main() -> None:
     deepspeed_train_parser.add_argument("--model", type=Path, required=True)
     deepspeed_train_parser.add_argument("--out", type=Path, required=True)
     deepspeed_train_parser.add_argument("--stage", type=int, choices=ZERO_STAGES, required=True)
+    guide_parser = sub.add_parser("deepspeed-guide")
+    guide_parser.add_argument("--model", type=Path, required=True)
+    guide_parser.add_argument("--guide", type=Path, required=True)
+    guide_parser.add_argument("--out", type=Path, required=True)
+    guide_parser.add_argument("--frozen-encoders", choices=("resident", "precompute"), required=True)
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -671,6 +748,8 @@ def main() -> None:
         run_deepspeed_checks(args.model, args.guide, args.out, args.cases)
     elif args.mode == "deepspeed-train":
         run_deepspeed_training(args.model, args.out, args.stage)
+    elif args.mode == "deepspeed-guide":
+        run_guide_loaded_last(args.model, args.guide, args.out, args.frozen_encoders)
     else:
         run_training_scripts(args.model, args.classifier, args.out)
 

@@ -1,12 +1,15 @@
 """Training under torch.distributed: 2 ranks on the CPU (gloo), launched with torchrun.
 
-Two launches of ``tests/distributed_worker.py`` per module:
+Launches of ``tests/distributed_worker.py``, one per mode (and per ZeRO stage or frozen-encoder mode):
 
 * ``losses``: one manual DDP step per loss case; the ranks save what they computed and each test
   compares it with a single process computing the same step here. Which single-process step a DDP
   step equals is explained in the worker's docstring: the mean of per-rank steps when in-batch
   negatives stay on their rank, the step over the concatenated batch with gather_across_devices.
+* ``deepspeed``: the same steps under a DeepSpeed engine at each ZeRO stage, and the auto mini-batch.
 * ``train``: an ordinary st_ext training script, unchanged, under torchrun.
+* ``deepspeed-train``, ``deepspeed-guide``: training scripts with the Trainer's ``deepspeed`` argument;
+  the second loads its GIST guide after ZeRO-3 arguments, which partition it.
 
 The model's dropout is 0 (in its config), so a step is a deterministic function of the weights and
 the batch, and the comparisons hold to float32 round-off.
@@ -156,6 +159,14 @@ def rank_results(out: Path, name: str) -> list:
 
 # ---------------------------------------------------------------------------------------------
 # Comparisons
+
+
+def weights(path: Path) -> dict:
+    """The parameters of the model saved at ``path``, as plain sentence-transformers loads them."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    return {name: p.detach() for name, p in model.named_parameters()}
 
 
 def assert_close_tensors(actual: dict, expected: dict, what: str) -> None:
@@ -328,8 +339,6 @@ def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_traini
     """The unchanged script with the Trainer's ``deepspeed`` argument trains the cached Matryoshka loss
     with gradient checkpointing at each ZeRO stage; plain sentence-transformers loads what it saved, and
     the weights equal one process's training (see ``run_deepspeed_training`` for why one process's)."""
-    from sentence_transformers import SentenceTransformer
-
     stage, out = deepspeed_training
     runs = [json.loads((out / f"train-zero{stage}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
     for run in runs:
@@ -340,12 +349,41 @@ def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_traini
         assert run["report"]["global_step"] == 2
         assert run["report"]["checkpointing"] is True
 
-    def weights(path: Path) -> dict:
-        model = SentenceTransformer(str(path), device="cpu")
-        return {name: p.detach() for name, p in model.named_parameters()}
-
     saved, expected, initial = (
         weights(out / f"zero{stage}" / "final"), weights(single_process_training), weights(model_dirs["model"])
     )
     assert_close_tensors(saved, expected, f"ZeRO-{stage} trained weights")
     assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"
+
+
+@pytest.fixture(scope="module", params=["resident", "precompute"])
+def guide_loaded_last(request, model_dirs, tmp_path_factory) -> tuple[str, Path]:
+    """The frozen-encoder mode, and where the arguments-first GIST script saved its reports and model
+    under ZeRO-3."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (requirements/test.txt)")
+    out = tmp_path_factory.mktemp(f"guide_loaded_last_{request.param}")
+    torchrun(
+        "deepspeed-guide", "--model", str(model_dirs["model"]), "--guide", str(model_dirs["guide"]), "--out", str(out),
+        "--frozen-encoders", request.param, log=out / "torchrun.log",
+    )  # fmt: skip
+    return request.param, out
+
+
+def test_guide_loaded_after_zero3_arguments_trains(guide_loaded_last, model_dirs, tmp_path):
+    """A guide that ZeRO-3 partitioned while loading (it came after the arguments) gathers its weights on
+    use, resident or for "precompute": the trained weights equal one process's training with the whole
+    guide. Without st_ext its first pass fails ("'weight' must be 2-D")."""
+    mode, out = guide_loaded_last
+    runs = [json.loads((out / f"guide-{mode}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    for run in runs:
+        assert run["error"] is None, run["error"]
+        assert run["guide_partitioned"] is True, "the guide was loaded whole: this checks nothing"
+        assert run["report"]["world_size"] == 1  # as in the unchanged script's DeepSpeed test
+        assert run["report"]["global_step"] == 2
+    worker.train_with_guide_loaded_last(model_dirs["model"], model_dirs["guide"], tmp_path, mode, ddp_backend=None)
+    saved, expected, initial = weights(out / mode / "final"), weights(tmp_path / "final"), weights(model_dirs["model"])
+    assert_close_tensors(saved, expected, f"weights trained with a partitioned guide ({mode})")
+    assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"
+    if mode == "resident":
+        for run in runs:
+            assert run["offload_error"] is not None and "sharded across ranks" in run["offload_error"]

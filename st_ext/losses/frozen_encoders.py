@@ -29,6 +29,7 @@ from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses imp
     select_rows,
     to_padded,
 )
+from st_ext.losses.gradient_sync import parameters_sharded
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
 
@@ -278,6 +279,14 @@ class FrozenEncoderHolder:
         """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU
         outside the module tree."""
         if offloaded:
+            if parameters_sharded(encoder):
+                raise ValueError(
+                    f"{self.offload_attribute}=True (or frozen_encoders='offload') cannot move this "
+                    f"{self.encoder_attribute}: its weights are sharded across ranks (DeepSpeed ZeRO-3 partitions "
+                    "every model loaded after its training arguments; FSDP shards what it wraps). Keep it off the "
+                    'accelerator with ZeRO\'s "offload_param": {"device": "cpu"} under "zero_optimization", or load '
+                    "it before creating the training arguments to offload a whole copy."
+                )
             hold_outside_module_tree(self, self.encoder_attribute, encoder)
             offload.offload(encoder)
         else:

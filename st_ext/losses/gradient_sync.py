@@ -46,7 +46,12 @@ def parameters_sharded(model: nn.Module) -> bool:
     fsdp_module = fsdp2_module_class()
     if fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules()):
         return True
-    return any(hasattr(param, "ds_id") for param in model.parameters())
+    return zero3_partitioned(model)
+
+
+def zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ``deepspeed.zero.Init`` split ``module``'s parameters across ranks while it was built."""
+    return any(hasattr(param, "ds_id") for param in module.parameters())
 
 
 def deepspeed_in_use() -> bool:

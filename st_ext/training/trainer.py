@@ -37,6 +37,7 @@ from st_ext.training.frozen_encoders import (
     require_resident,
     validate_frozen_encoder_mode,
 )
+from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
 _LENT_METHODS = (
     "gradient_checkpointing_enable",
@@ -75,6 +76,7 @@ class CheckpointingTrainerMixin:
         settings = kwargs.get("args", args[1] if len(args) > 1 else None)
         with keep_cpu_flag(settings):
             super().__init__(*args, **kwargs)
+        serve_partitioned_encoders(self.loss, self.model)
         check_deepspeed_setup(self.args, self.loss)
 
     def train(self, *args, **kwargs):
@@ -137,6 +139,8 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         )
         # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
         built = isinstance(loss, (nn.Module, dict))
+        if built:  # before an encoder ZeRO-3 partitioned runs for "precompute"
+            serve_partitioned_encoders(loss, model)
         reports = switch(loss, device=getattr(model, "device", None)) if built else []
         super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
         if not built:  # a loss factory, built by upstream's __init__ just now
