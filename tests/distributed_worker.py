@@ -344,16 +344,25 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     """The case's steps with the model sharded by FSDP2 across the ranks (no DDP); each rank records the
-    gathered gradients and parameters, which FSDP2 averages across ranks as DDP does."""
+    gathered gradients and parameters, which FSDP2 averages across ranks as DDP does, and whether the
+    sharded gradients existed already when each forward pass of the step began (they do once a
+    mini-batch's backward has reduced)."""
     case = CASES[case_name]
     rank = dist.get_rank()
     model = load_model(model_dir, case.checkpointing)
     loss = case.build(model, load_guide(guide_dir))
     shard_with_fsdp2(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    reduced_before_pass: list[bool] = []
+    # Ahead of FSDP2's own pre-forward, which swaps in the unsharded parameters (and their local gradients).
+    model.register_forward_pre_hook(
+        lambda *_: reduced_before_pass.append(any(p.grad is not None for p in model.parameters())), prepend=True
+    )
     records = []
     for step in range(case.steps):
-        record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
+        reduced_before_pass.clear()
+        loss_value = forward_backward(model, loss, rank_share(global_batch(step), rank))
+        record = {"loss": loss_value, "reduced_before_pass": list(reduced_before_pass)}
         record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -227,6 +227,8 @@ def test_fsdp2_step_matches_single_process(name, loss_run, model_dirs):
     reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
     for step, expected in enumerate(reference):
         assert_same_step([steps[step] for steps in ranks], expected, worker.CASES[name].gathered, step)
+        # Held until the last mini-batch: no pass of the step starts with reduced (sharded) gradients.
+        assert not any(ranks[0][step]["reduced_before_pass"]), "a mini-batch reduced before the last"
 
 
 @pytest.mark.parametrize("stage", worker.ZERO_STAGES)

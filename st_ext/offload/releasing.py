@@ -1,8 +1,8 @@
 """Releasing a module for good: :func:`release` and everything it clears.
 
 Parameters and buffers become ``meta`` tensors, and every reference that would keep the old ones
-alive is dropped: gradients, accelerate hooks, forward/backward hooks, attributes of the objects
-passed as ``holders``, optimizer entries. Then freed memory is handed back and the leftover check
+alive is dropped: gradients, accelerate hooks, a DeepSpeed engine st_ext attached, forward/backward
+hooks, attributes of the objects passed as ``holders``, optimizer entries. Then freed memory is handed back and the leftover check
 runs. "Moving it to CPU and emptying the cache" looks like a release and frees nothing.
 """
 
@@ -63,6 +63,7 @@ def release(
     cleared = _clear_holder_references(holders, module)
     cleared += _drop_from_optimizers(optimizers, module)
     accelerate_hooks_removed = remove_accelerate_hooks(module)
+    _destroy_attached_engine(module)
     # A hook closure is the usual hiding place of a reference to a parameter or an output.
     module_hooks_removed = sum(clear_module_hooks(submodule) for submodule in module.modules())
     _replace_tensors_with_meta(module)
@@ -82,6 +83,21 @@ def release(
     )
     logger.info("%s", report)
     return report
+
+
+#: Where st_ext keeps the DeepSpeed engine it gave a frozen encoder (:mod:`st_ext.training.zero3_encoders`).
+DEEPSPEED_ENGINE_ATTRIBUTE = "_st_ext_zero3_engine"
+
+
+def _destroy_attached_engine(module: nn.Module) -> None:
+    """Destroy the DeepSpeed engine st_ext attached to ``module``, so that its hooks go with the module.
+
+    ZeRO-3's parameter coordinator stays referenced from what ``zero.Init`` and the engine left on the
+    submodules, and with it each rank's slice of the weights: the leftover check names them.
+    """
+    engine = module.__dict__.pop(DEEPSPEED_ENGINE_ATTRIBUTE, None)
+    if engine is not None:
+        engine.destroy()
 
 
 def _storage_weakref(tensor: torch.Tensor) -> tuple[weakref.ref | None, tuple[str, int] | None]:

@@ -15,20 +15,15 @@ the trained model's: the cached and GIST losses run it the same number of times 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from st_ext.losses.gradient_sync import zero3_partitioned
+from st_ext.offload.releasing import DEEPSPEED_ENGINE_ATTRIBUTE
 from st_ext.training.frozen_encoders import each_loss
 
-#: Encoders given their engine already (a trainer built twice over one loss must not hook twice).
-_SERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-#: Engines keyed by their encoder: kept alive as long as the encoder is.
-_ENGINES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def partitioned_frozen_encoders(loss: Any, model: nn.Module | None) -> list[nn.Module]:
@@ -63,13 +58,14 @@ def serve_partitioned_encoders(loss: Any, model: nn.Module | None) -> list[nn.Mo
     for each forward pass; return the encoders that got one now."""
     served = []
     for encoder in partitioned_frozen_encoders(loss, model):
-        if encoder in _SERVED:
+        if hasattr(encoder, DEEPSPEED_ENGINE_ATTRIBUTE):  # served for an earlier trainer over the same loss
             continue
         import deepspeed  # the encoder's partitioned weights mean that DeepSpeed is installed and in use
 
         engine, *_ = deepspeed.initialize(model=encoder, config=frozen_encoder_config(encoder))
-        _ENGINES[encoder] = engine
-        _SERVED.add(encoder)
+        # Kept as long as the encoder (deleting the engine removes its hooks); not a submodule, so outside
+        # state_dict and .to(); st_ext.offload.release destroys it.
+        object.__setattr__(encoder, DEEPSPEED_ENGINE_ATTRIBUTE, engine)
         served.append(encoder)
     return served
 
