@@ -25,7 +25,6 @@ from st_ext.offload.releasing import DEEPSPEED_ENGINE_ATTRIBUTE
 from st_ext.training.frozen_encoders import each_loss
 
 
-
 def partitioned_frozen_encoders(loss: Any, model: nn.Module | None) -> list[nn.Module]:
     """The largest frozen modules of ``loss`` (one loss, or a dict of them) that ZeRO-3 partitioned and
     that share no parameter with ``model``, the one the trainer's engine will gather."""
@@ -39,6 +38,7 @@ def partitioned_frozen_encoders(loss: Any, model: nn.Module | None) -> list[nn.M
 
 
 def _outside_model(module: nn.Module, trained: set[int]):
+    """The frozen, partitioned descendants of ``module`` outside the trained parameters, largest first."""
     for child in module.children():
         params = list(child.parameters())
         if not params or all(id(param) in trained for param in params):
