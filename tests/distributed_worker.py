@@ -361,8 +361,8 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     records = []
     for step in range(case.steps):
         reduced_before_pass.clear()
-        loss_value = forward_backward(model, loss, rank_share(global_batch(step), rank))
-        record = {"loss": loss_value, "reduced_before_pass": list(reduced_before_pass)}
+        record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
+        record["reduced_before_pass"] = list(reduced_before_pass)
         record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
