@@ -587,11 +587,12 @@ def train_cross_encoder(classifier_dir: Path, output_dir: Path):
 
 
 def parameter_digest(model: nn.Module) -> str:
-    """A hash of every parameter's bytes: equal on all ranks iff DDP kept the replicas identical."""
+    """A hash of every parameter's bytes (an FSDP2 shard gathered whole): equal on all ranks iff the
+    engine kept the replicas identical."""
     digest = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(full(p.detach()).cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -660,6 +661,49 @@ def run_deepspeed_training(model_dir: Path, out_dir: Path, stage: int) -> None:
     settings = DEEPSPEED_SETTINGS[stage]
     report = run_and_report(train_sentence_transformer, model_dir, out_dir / f"zero{stage}", **settings)
     (out_dir / f"train-zero{stage}-rank{rank}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+#: How a script is put under FSDP2: an accelerate config, or the Trainer's own arguments.
+FSDP2_ROUTES = ("accelerate-config", "trainer-arguments")
+#: FSDP2 through the Trainer's own arguments (transformers 5; its default FSDP version is 2). Sharding
+#: each BERT layer, then the whole model, as the accelerate config in ``examples/`` does.
+FSDP2_TRAINER_ARGUMENTS = dict(fsdp="full_shard", fsdp_config={"transformer_layer_cls_to_wrap": ["BertLayer"]})
+
+
+def let_accelerate_shard_on_cpu() -> None:
+    """accelerate turns FSDP on only for GPU-type distributed runs: on CPU ranks (``MULTI_CPU``) it keeps
+    DDP and drops the FSDP plugin, though its FSDP2 path (``fully_shard`` over a device mesh) runs on
+    gloo. Keep the plugin on CPU ranks as accelerate does on GPUs, so that the Trainer's FSDP2 path runs
+    here. ``AcceleratorState()`` is called again later without the plugin (by the prepared optimizer),
+    so the plugin is remembered and put back each time."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    original_init = AcceleratorState.__init__
+    remembered = []
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None:
+            remembered[:] = [fsdp_plugin]
+        if remembered and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = remembered[0]
+
+    AcceleratorState.__init__ = init
+
+
+def run_fsdp2_training(model_dir: Path, out_dir: Path, route: str) -> None:
+    """The unchanged sentence-transformer script under FSDP2, set by an accelerate config (the launching
+    test puts the environment ``accelerate launch`` derives from it) or by the Trainer's arguments."""
+    rank = int(os.environ["RANK"])
+    let_accelerate_shard_on_cpu()
+    settings = FSDP2_TRAINER_ARGUMENTS if route == "trainer-arguments" else {}
+    report = run_and_report(train_sentence_transformer, model_dir, out_dir / route, **settings)
+    (out_dir / f"fsdp2-{route}-rank{rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -746,6 +790,10 @@ def main() -> None:
     guide_parser.add_argument("--guide", type=Path, required=True)
     guide_parser.add_argument("--out", type=Path, required=True)
     guide_parser.add_argument("--frozen-encoders", choices=("resident", "precompute"), required=True)
+    fsdp_parser = sub.add_parser("fsdp2-train")
+    fsdp_parser.add_argument("--model", type=Path, required=True)
+    fsdp_parser.add_argument("--out", type=Path, required=True)
+    fsdp_parser.add_argument("--route", choices=FSDP2_ROUTES, required=True)
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -757,6 +805,8 @@ def main() -> None:
         run_deepspeed_checks(args.model, args.guide, args.out, args.cases)
     elif args.mode == "deepspeed-train":
         run_deepspeed_training(args.model, args.out, args.stage)
+    elif args.mode == "fsdp2-train":
+        run_fsdp2_training(args.model, args.out, args.route)
     elif args.mode == "deepspeed-guide":
         run_guide_loaded_last(args.model, args.guide, args.out, args.frozen_encoders)
     else:

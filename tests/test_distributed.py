@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import distributed_worker as worker
 from st_ext._compat import ST_VERSION
@@ -35,6 +37,10 @@ from tiny_models import save_tiny_bert
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(worker.__file__)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: transformers 5 builds FSDP2 from the Trainer's ``fsdp`` arguments (its default version); 4.51's give
+#: FSDP1, and FSDP2 there comes from an accelerate config.
+TRAINER_ARGUMENTS_GIVE_FSDP2 = Version(transformers.__version__).major >= 5
 LAUNCH_TIMEOUT_S = 600
 LOSS_CASES = sorted(worker.CASES)
 GATHER_CASES = [name for name in LOSS_CASES if worker.CASES[name].gathered]
@@ -63,8 +69,9 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
-def torchrun(*worker_args: str, log: Path) -> None:
-    """Run the worker on 2 ranks; fail with the end of its output if any rank fails or it hangs."""
+def torchrun(*worker_args: str, log: Path, environment: dict[str, str] | None = None) -> None:
+    """Run the worker on 2 ranks, with ``environment`` added to :func:`worker_environment`; fail with the
+    end of its output if any rank fails or it hangs."""
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc_per_node", str(worker.WORLD_SIZE),
@@ -73,7 +80,8 @@ def torchrun(*worker_args: str, log: Path) -> None:
     ]  # fmt: skip
     with log.open("w") as output:
         process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env=worker_environment(), start_new_session=True
+            command, stdout=output, stderr=subprocess.STDOUT, env={**worker_environment(), **(environment or {})},
+            start_new_session=True,
         )
         try:
             returncode = process.wait(timeout=LAUNCH_TIMEOUT_S)
@@ -143,14 +151,48 @@ def single_process_training(model_dirs, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trainer_reports(model_dirs, tmp_path_factory) -> list[dict]:
-    """Each rank's report of the unchanged training scripts, rank 0 first."""
+def trainer_run(model_dirs, tmp_path_factory) -> Path:
+    """Where the unchanged training scripts, run under DDP, saved their reports and models."""
     out = tmp_path_factory.mktemp("distributed_trainers")
     torchrun(
         "train", "--model", str(model_dirs["model"]), "--classifier", str(model_dirs["classifier"]), "--out", str(out),
         log=out / "torchrun.log",
     )  # fmt: skip
-    return [json.loads((out / f"train-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_reports(trainer_run) -> list[dict]:
+    """Each rank's report of the unchanged training scripts, rank 0 first."""
+    return [json.loads((trainer_run / f"train-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+
+
+def accelerate_launch_environment(config: Path) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file config`` gives each process, derived by
+    accelerate's own launcher; in full precision, which this CPU cannot check bf16 against."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    launch_args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    launch_args, _, _ = _validate_launch_command(launch_args)
+    environment = prepare_multi_gpu_env(launch_args)
+    derived = {key: value for key, value in environment.items() if key.startswith(("ACCELERATE_", "FSDP_"))}
+    return {**derived, "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+@pytest.fixture(scope="module", params=worker.FSDP2_ROUTES)
+def fsdp2_training(request, model_dirs, tmp_path_factory) -> tuple[str, Path]:
+    """How FSDP2 was set, and where the unchanged script saved its reports and model under it."""
+    route = request.param
+    if route == "trainer-arguments" and not TRAINER_ARGUMENTS_GIVE_FSDP2:
+        pytest.skip(f"transformers {transformers.__version__}'s fsdp arguments give FSDP1; FSDP2 needs an accelerate config")
+    out = tmp_path_factory.mktemp(f"fsdp2_{route}")
+    environment = accelerate_launch_environment(EXAMPLES / "accelerate_fsdp2.yaml") if route == "accelerate-config" else None
+    torchrun(
+        "fsdp2-train", "--model", str(model_dirs["model"]), "--out", str(out), "--route", route,
+        log=out / "torchrun.log", environment=environment,
+    )  # fmt: skip
+    return route, out
 
 
 def rank_results(out: Path, name: str) -> list:
@@ -356,6 +398,33 @@ def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_traini
     )
     assert_close_tensors(saved, expected, f"ZeRO-{stage} trained weights")
     assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"
+
+
+def test_trainer_trains_under_fsdp2_and_saves_a_plain_model(fsdp2_training, trainer_run, model_dirs):
+    """The unchanged script under FSDP2, set by the example accelerate config or by the Trainer's
+    arguments, trains the cached Matryoshka loss with gradient checkpointing; plain sentence-transformers
+    loads what it saved (a full state dict: upstream's save fails on the shards), and the weights
+    equal the same script's training under DDP. accelerate shards FSDP only on GPUs, so the worker lets
+    CPU ranks take its FSDP2 path (``let_accelerate_shard_on_cpu``)."""
+    route, out = fsdp2_training
+    runs = [json.loads((out / f"fsdp2-{route}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    for run in runs:
+        assert run["error"] is None, run["error"]
+        assert run["report"]["distributed_type"] == "DistributedType.FSDP"
+        assert run["report"]["wrapped_in"].startswith("FSDP"), "the model was not sharded by fully_shard"
+        assert run["report"]["world_size"] == worker.WORLD_SIZE
+        assert run["report"]["global_step"] == 2
+        assert run["report"]["checkpointing"] is True
+    assert runs[0]["report"]["digest"] == runs[1]["report"]["digest"]
+
+    saved, expected = weights(out / route / "final"), weights(trainer_run / "st" / "final")
+    initial = weights(model_dirs["model"])
+    assert_close_tensors(saved, expected, f"FSDP2 ({route}) trained weights against DDP's")
+    assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"
+    # Where upstream's model card shows its usage example's similarities (6.x), the saving rank alone
+    # encoded them with the whole weights.
+    if "# tensor([[" in (trainer_run / "st" / "final" / "README.md").read_text():
+        assert "# tensor([[" in (out / route / "final" / "README.md").read_text()
 
 
 @pytest.fixture(scope="module", params=["resident", "precompute"])

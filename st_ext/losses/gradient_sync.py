@@ -43,10 +43,13 @@ def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
 def parameters_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are split across ranks (FSDP2, DeepSpeed ZeRO-3): every forward
     pass then gathers them, a collective that all ranks must enter together."""
+    return sharded_by_fsdp2(model) or zero3_partitioned(model)
+
+
+def sharded_by_fsdp2(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` sharded ``model`` or any of its submodules."""
     fsdp_module = fsdp2_module_class()
-    if fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules()):
-        return True
-    return zero3_partitioned(model)
+    return fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
 
 
 def zero3_partitioned(module: nn.Module) -> bool:

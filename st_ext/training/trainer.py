@@ -27,10 +27,12 @@ from torch import nn
 from st_ext import _compat
 from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
+from st_ext.losses.gradient_sync import sharded_by_fsdp2
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
+from st_ext.training.fsdp_saving import whole_model_for_saving
 from st_ext.training.frozen_encoders import (
     apply_frozen_encoder_mode,
     each_loss,
@@ -87,6 +89,16 @@ class CheckpointingTrainerMixin:
         loss = super().override_model_in_loss(loss, model)
         swap_model_in_loss(loss, model)
         return loss
+
+    def _save(self, output_dir=None, state_dict=None):
+        """Upstream's ``_save``; a model sharded by FSDP2 saves the whole weights the Trainer gathered
+        (:mod:`st_ext.training.fsdp_saving`), from the first rank only, where they were gathered."""
+        if state_dict is None or not sharded_by_fsdp2(self.model):
+            return super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return None
+        with whole_model_for_saving(self.model, state_dict):
+            return super()._save(output_dir, state_dict)
 
 
 def resolve_loss_names(loss, model):
