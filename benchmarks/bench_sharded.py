@@ -4,9 +4,10 @@ Each engine trains ``MatryoshkaLoss(CachedMultipleNegativesRankingLoss)`` for ``
 ranks (torchrun, gloo on the CPU, or NCCL with ``--cuda``), in one run:
 
 * one process (the per-rank batch, no engine): the memory every engine should beat;
-* DDP, FSDP2 (``fully_shard`` per layer, then the model), DeepSpeed ZeRO 1, 2 and 3;
-* upstream's own cached losses under DDP and ZeRO-2, for the ratio against upstream (under DeepSpeed
-  upstream fails, and the table says how).
+* DDP, FSDP2 (``fully_shard`` per layer, then the model; "gathered" with ``reshard_after_forward=False``,
+  FSDP's SHARD_GRAD_OP), DeepSpeed ZeRO 1, 2 and 3 (and 3 with ``stage3_prefetch_bucket_size`` 0);
+* upstream's own cached losses under DDP, FSDP2 and ZeRO-2, for the ratio against upstream (under
+  DeepSpeed upstream fails, and the table says how).
 
 The model is a BERT of ``--layers`` x ``--hidden`` with random weights and all-MiniLM-L6-v2's
 tokenizer (weights do not change memory or time); AdamW in fp32, so a rank's model states are
@@ -42,7 +43,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from st_ext.memory import measure_peak  # noqa: E402
 from st_ext.training.ddp import swap_model_in_loss  # noqa: E402
 
-ENGINES = ["one process", "ddp", "fsdp2", "zero1", "zero2", "zero3", "upstream ddp", "upstream zero2"]
+ENGINES = [
+    "one process", "ddp", "fsdp2", "fsdp2 gathered", "zero1", "zero2", "zero3", "zero3 no prefetch",
+    "upstream ddp", "upstream fsdp2", "upstream zero2",
+]  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,19 +173,24 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
     if engine.endswith("ddp"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
         swap_model_in_loss(loss, wrapped)
-    elif engine == "fsdp2":
+    elif "fsdp2" in engine:
         from torch.distributed.fsdp import fully_shard
 
+        reshard_after_forward = not engine.endswith("gathered")
         for layer in model[0].auto_model.encoder.layer:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     elif "zero" in engine:
         import deepspeed
 
+        stage = int(next(word for word in engine.split() if word.startswith("zero"))[-1])
+        zero = {"stage": stage, "reduce_bucket_size": 1e7, "allgather_bucket_size": 1e7}
+        if engine.endswith("no prefetch"):
+            zero["stage3_prefetch_bucket_size"] = 0
         config = {
             "train_micro_batch_size_per_gpu": args.batch_size,
-            "zero_optimization": {"stage": int(engine[-1]), "reduce_bucket_size": 1e7, "allgather_bucket_size": 1e7},
+            "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }

@@ -37,9 +37,10 @@ import hashlib
 import json
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -328,41 +329,81 @@ def fsdp2_available() -> bool:
     return True
 
 
-def shard_with_fsdp2(model: nn.Module) -> nn.Module:
+def shard_with_fsdp2(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
     """``fully_shard`` as one shards a transformer: each encoder layer, then the whole model."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model[0].auto_model.encoder.layer:
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+
+#: How the FSDP2 runs shard: FSDP2's default, and parameters kept gathered between passes (SHARD_GRAD_OP).
+FSDP2_RESHARDING = {"reshard_after_forward": True, "kept_gathered": False}
+
+
+@contextmanager
+def all_gathers_counted(count: list[int]) -> Iterator[None]:
+    """Inside the block, every all-gather this process enters adds one to ``count[0]`` (FSDP2 calls
+    ``torch.distributed``'s single-tensor all-gather, named after the torch release)."""
+    names = [name for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(original):
+        def all_gather(*args, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
+
+        return all_gather
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def is_shard(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` is one rank's shard of a tensor split by FSDP2 (a DTensor)."""
+    return hasattr(tensor, "full_tensor")
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded parameter or gradient (a DTensor) gathered whole."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return tensor.full_tensor() if is_shard(tensor) else tensor
 
 
-def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
-    """The case's steps with the model sharded by FSDP2 across the ranks (no DDP); each rank records the
-    gathered gradients and parameters, which FSDP2 averages across ranks as DDP does, and whether the
-    sharded gradients existed already when each forward pass of the step began (they do once a
-    mini-batch's backward has reduced)."""
+def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str) -> list[dict]:
+    """The case's steps with the model sharded by FSDP2 across the ranks (no DDP), resharding as
+    ``FSDP2_RESHARDING[resharding]`` says; each rank records the gathered gradients and parameters,
+    which FSDP2 averages across ranks as DDP does, whether the sharded gradients existed already when
+    each forward pass of the step began (they do once a mini-batch's backward has reduced), and how many
+    all-gathers the step ran against how many modules FSDP2 shards."""
+    from torch.distributed.fsdp import FSDPModule
+
     case = CASES[case_name]
     rank = dist.get_rank()
     model = load_model(model_dir, case.checkpointing)
     loss = case.build(model, load_guide(guide_dir))
-    shard_with_fsdp2(model)
+    shard_with_fsdp2(model, reshard_after_forward=FSDP2_RESHARDING[resharding])
+    sharded_modules = sum(isinstance(module, FSDPModule) for module in model.modules())
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     reduced_before_pass: list[bool] = []
-    # Ahead of FSDP2's own pre-forward, which swaps in the unsharded parameters (and their local gradients).
+    # Ahead of FSDP2's own pre-forward, which swaps in the unsharded parameters. A reduced gradient is a
+    # shard (a DTensor); one accumulated locally on parameters kept gathered is a plain tensor.
     model.register_forward_pre_hook(
-        lambda *_: reduced_before_pass.append(any(p.grad is not None for p in model.parameters())), prepend=True
+        lambda *_: reduced_before_pass.append(any(is_shard(p.grad) for p in model.parameters())), prepend=True
     )
     records = []
     for step in range(case.steps):
         reduced_before_pass.clear()
-        record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
+        all_gathers = [0]
+        with all_gathers_counted(all_gathers):
+            record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
         record["reduced_before_pass"] = list(reduced_before_pass)
+        record["all_gathers"], record["sharded_modules"] = all_gathers[0], sharded_modules
         record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -518,7 +559,9 @@ def run_loss_checks(model_dir: Path, guide_dir: Path, out_dir: Path, case_names:
     for name in case_names:
         torch.save(ddp_run(name, model_dir, guide_dir), out_dir / f"{name}-rank{rank}.pt")
         if fsdp2_available():
-            torch.save(fsdp2_run(name, model_dir, guide_dir), out_dir / f"{name}-fsdp2-rank{rank}.pt")
+            for resharding in FSDP2_RESHARDING:
+                records = fsdp2_run(name, model_dir, guide_dir, resharding)
+                torch.save(records, out_dir / f"{name}-fsdp2-{resharding}-rank{rank}.pt")
     # The failure cases go last, each leaving its DDP reducer mid-iteration.
     torch.save(without_unused_parameter_detection(model_dir), out_dir / f"no-unused-detection-rank{rank}.pt")
     torch.save({"error": reentrant_checkpointing_error(model_dir)}, out_dir / f"reentrant-rank{rank}.pt")

@@ -169,7 +169,8 @@ def trainer_reports(trainer_run) -> list[dict]:
 
 def accelerate_launch_environment(config: Path) -> dict[str, str]:
     """The environment ``accelerate launch --config_file config`` gives each process, derived by
-    accelerate's own launcher; in full precision, which this CPU cannot check bf16 against."""
+    accelerate's own launcher, with mixed precision off: the comparison with DDP's training holds to
+    float32 round-off only in float32."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -185,9 +186,11 @@ def fsdp2_training(request, model_dirs, tmp_path_factory) -> tuple[str, Path]:
     """How FSDP2 was set, and where the unchanged script saved its reports and model under it."""
     route = request.param
     if route == "trainer-arguments" and not TRAINER_ARGUMENTS_GIVE_FSDP2:
-        pytest.skip(f"transformers {transformers.__version__}'s fsdp arguments give FSDP1; FSDP2 needs an accelerate config")
+        pytest.skip(f"transformers {transformers.__version__}'s fsdp arguments give FSDP1, not FSDP2")
     out = tmp_path_factory.mktemp(f"fsdp2_{route}")
-    environment = accelerate_launch_environment(EXAMPLES / "accelerate_fsdp2.yaml") if route == "accelerate-config" else None
+    environment = None
+    if route == "accelerate-config":
+        environment = accelerate_launch_environment(EXAMPLES / "accelerate_fsdp2.yaml")
     torchrun(
         "fsdp2-train", "--model", str(model_dirs["model"]), "--out", str(out), "--route", route,
         log=out / "torchrun.log", environment=environment,
@@ -258,19 +261,24 @@ def test_ddp_step_matches_single_process(name, loss_run, model_dirs):
         assert_same_step(step_ranks, expected, worker.CASES[name].gathered, step)
 
 
+@pytest.mark.parametrize("resharding", worker.FSDP2_RESHARDING)
 @pytest.mark.parametrize("name", LOSS_CASES)
-def test_fsdp2_step_matches_single_process(name, loss_run, model_dirs):
+def test_fsdp2_step_matches_single_process(name, resharding, loss_run, model_dirs):
     """With the model sharded by FSDP2 (``fully_shard`` per layer and on the model), the cached losses'
-    per-mini-batch replay gives the gradients and update of the same single-process step."""
+    per-mini-batch replay gives the gradients and update of the same single-process step, whether the
+    modules reshard after forward (FSDP2's default) or stay gathered (``reshard_after_forward=False``)."""
     require_available(name)
     if not worker.fsdp2_available():
         pytest.skip(f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    ranks = rank_results(loss_run, f"{name}-fsdp2")
+    ranks = rank_results(loss_run, f"{name}-fsdp2-{resharding}")
     reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
     for step, expected in enumerate(reference):
         assert_same_step([steps[step] for steps in ranks], expected, worker.CASES[name].gathered, step)
         # Held until the last mini-batch: no pass of the step starts with reduced (sharded) gradients.
         assert not any(ranks[0][step]["reduced_before_pass"]), "a mini-batch reduced before the last"
+        if resharding == "kept_gathered":
+            # Each module gathered once for the whole step, not once per mini-batch pass.
+            assert ranks[0][step]["all_gathers"] == ranks[0][step]["sharded_modules"]
 
 
 @pytest.mark.parametrize("stage", worker.ZERO_STAGES)

@@ -64,11 +64,34 @@ def deepspeed_in_use() -> bool:
 
 @contextmanager
 def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Besides holding the reduction: a module the user shards with ``reshard_after_forward=False``
+    (FSDP's SHARD_GRAD_OP, ZeRO-2's trade) keeps its gathered parameters after a held backward too, so
+    the step gathers each module once instead of once per mini-batch pass; its peak is unchanged, since
+    each forward leaves it gathered anyway. A module that reshards after forward is left alone."""
+    kept_gathered = [] if sync else [module for module in model.modules() if _stays_gathered_after_forward(module)]
     model.set_requires_gradient_sync(sync)
+    for module in kept_gathered:
+        module.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+        for module in kept_gathered:
+            module.set_reshard_after_backward(True, recurse=False)
+
+
+def _stays_gathered_after_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 module that keeps its parameters gathered after forward
+    (``reshard_after_forward=False``) and reshards them after backward (FSDP2's default there). FSDP2
+    has setters for both, no getters, so this reads its parameter group; where a torch release does not
+    have it, the answer is False and the module reshards after every backward, as FSDP2 does."""
+    fsdp_module = fsdp2_module_class()
+    if fsdp_module is None or not isinstance(module, fsdp_module):
+        return False
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    if group is None or not hasattr(group, "post_forward_mesh_info"):
+        return False
+    return group.post_forward_mesh_info is None and getattr(group, "reshard_after_backward", False)
 
 
 @contextmanager
