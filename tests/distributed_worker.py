@@ -2,15 +2,16 @@
 
 ``losses`` mode: for each loss case, one manual DDP training step (two for the cross-batch memory)
 on this rank's share of a fixed global batch, and the same steps with the model sharded by FSDP2
-(``fully_shard``) instead; each rank saves its loss values, the gradients after the ranks' reduction
-and the updated parameters, for the test to compare with a single process
-(:func:`single_process_run`, run by the test itself from the same definitions). Then two DDP
-settings that fail: ``find_unused_parameters=False`` with BERT's unused pooler, and re-entrant
-checkpointing with ``find_unused_parameters=True``.
+(``fully_shard``, resharding after forward or not) instead; each rank saves its loss values, the
+gradients after the ranks' reduction and the updated parameters, for the test to compare with a
+single process (:func:`single_process_run`, run by the test itself from the same definitions). Then
+two DDP settings that fail: ``find_unused_parameters=False`` with BERT's unused pooler, and
+re-entrant checkpointing with ``find_unused_parameters=True``.
 
 ``deepspeed`` mode: the loss cases' steps under a DeepSpeed engine at each ZeRO stage;
 ``deepspeed-train`` and ``deepspeed-guide``: training scripts given the Trainer's ``deepspeed`` argument
-(see :func:`run_deepspeed_training` and :func:`run_guide_loaded_last`).
+(see :func:`run_deepspeed_training` and :func:`run_guide_loaded_last`); ``fsdp2-train``: the training
+script under the Trainer's FSDP2 path (:func:`run_fsdp2_training`).
 
 ``train`` mode: ordinary st_ext training scripts (:func:`train_sentence_transformer`,
 :func:`train_cross_encoder`), with no distributed code in them, run unchanged; each rank reports what

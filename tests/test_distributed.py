@@ -10,6 +10,8 @@ Launches of ``tests/distributed_worker.py``, one per mode (and per ZeRO stage or
 * ``train``: an ordinary st_ext training script, unchanged, under torchrun.
 * ``deepspeed-train``, ``deepspeed-guide``: training scripts with the Trainer's ``deepspeed`` argument;
   the second loads its GIST guide after ZeRO-3 arguments, which partition it.
+* ``fsdp2-train``: the unchanged script under FSDP2, set by the example accelerate config or by the
+  Trainer's ``fsdp`` arguments.
 
 The model's dropout is 0 (in its config), so a step is a deterministic function of the weights and
 the batch, and the comparisons hold to float32 round-off.

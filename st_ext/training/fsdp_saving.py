@@ -20,7 +20,6 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-
 #: The hook dictionaries FSDP2 registers in, by what they would undo or run while a model saves.
 _FSDP_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks")
 

@@ -32,13 +32,13 @@ from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
-from st_ext.training.fsdp_saving import whole_model_for_saving
 from st_ext.training.frozen_encoders import (
     apply_frozen_encoder_mode,
     each_loss,
     require_resident,
     validate_frozen_encoder_mode,
 )
+from st_ext.training.fsdp_saving import whole_model_for_saving
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
 _LENT_METHODS = (
