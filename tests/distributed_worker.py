@@ -330,39 +330,51 @@ def fsdp2_available() -> bool:
     return True
 
 
-def shard_with_fsdp2(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
-    """``fully_shard`` as one shards a transformer: each encoder layer, then the whole model."""
+def shard_with_fsdp2(model: nn.Module, reshard_after_forward: bool | None = None) -> nn.Module:
+    """``fully_shard`` as one shards a transformer: each encoder layer, then the whole model; with
+    ``reshard_after_forward`` None, FSDP2's default (each layer reshards after forward, the root not)."""
     from torch.distributed.fsdp import fully_shard
 
+    settings = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     for layer in model[0].auto_model.encoder.layer:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **settings)
+    return fully_shard(model, **settings)
 
 
-#: How the FSDP2 runs shard: FSDP2's default, and parameters kept gathered between passes (SHARD_GRAD_OP).
-FSDP2_RESHARDING = {"reshard_after_forward": True, "kept_gathered": False}
+#: How the FSDP2 runs shard: FSDP2's default, and every module kept gathered after forward (SHARD_GRAD_OP).
+FSDP2_RESHARDING = {"default": None, "kept_gathered": False}
+
+#: ``torch.distributed``'s single-tensor collectives FSDP2 calls, under each torch release's names.
+COLLECTIVE_NAMES = {
+    "all_gathers": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatters": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
 
 
 @contextmanager
-def all_gathers_counted(count: list[int]) -> Iterator[None]:
-    """Inside the block, every all-gather this process enters adds one to ``count[0]`` (FSDP2 calls
-    ``torch.distributed``'s single-tensor all-gather, named after the torch release)."""
-    names = [name for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)]
-    originals = {name: getattr(dist, name) for name in names}
+def collectives_counted(counts: dict[str, int]) -> Iterator[None]:
+    """Inside the block, every all-gather and reduce-scatter this process enters adds one to
+    ``counts["all_gathers"]`` or ``counts["reduce_scatters"]``."""
+    originals = {}
+    for kind, names in COLLECTIVE_NAMES.items():
+        counts.setdefault(kind, 0)
+        for name in names:
+            if hasattr(dist, name):
+                originals[name] = (kind, getattr(dist, name))
 
-    def counted(original):
-        def all_gather(*args, **kwargs):
-            count[0] += 1
+    def counted(kind, original):
+        def collective(*args, **kwargs):
+            counts[kind] += 1
             return original(*args, **kwargs)
 
-        return all_gather
+        return collective
 
-    for name, original in originals.items():
-        setattr(dist, name, counted(original))
+    for name, (kind, original) in originals.items():
+        setattr(dist, name, counted(kind, original))
     try:
         yield
     finally:
-        for name, original in originals.items():
+        for name, (_, original) in originals.items():
             setattr(dist, name, original)
 
 
@@ -381,7 +393,7 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str)
     ``FSDP2_RESHARDING[resharding]`` says; each rank records the gathered gradients and parameters,
     which FSDP2 averages across ranks as DDP does, whether the sharded gradients existed already when
     each forward pass of the step began (they do once a mini-batch's backward has reduced), and how many
-    all-gathers the step ran against how many modules FSDP2 shards."""
+    all-gathers and reduce-scatters the step ran against how many modules FSDP2 shards."""
     from torch.distributed.fsdp import FSDPModule
 
     case = CASES[case_name]
@@ -400,11 +412,11 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str)
     records = []
     for step in range(case.steps):
         reduced_before_pass.clear()
-        all_gathers = [0]
-        with all_gathers_counted(all_gathers):
+        collectives = {}
+        with collectives_counted(collectives):
             record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
         record["reduced_before_pass"] = list(reduced_before_pass)
-        record["all_gathers"], record["sharded_modules"] = all_gathers[0], sharded_modules
+        record.update(collectives, sharded_modules=sharded_modules)
         record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

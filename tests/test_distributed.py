@@ -276,11 +276,14 @@ def test_fsdp2_step_matches_single_process(name, resharding, loss_run, model_dir
     reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
     for step, expected in enumerate(reference):
         assert_same_step([steps[step] for steps in ranks], expected, worker.CASES[name].gathered, step)
-        # Held until the last mini-batch: no pass of the step starts with reduced (sharded) gradients.
-        assert not any(ranks[0][step]["reduced_before_pass"]), "a mini-batch reduced before the last"
+        # Held until the last mini-batch: no pass of the step starts with reduced (sharded) gradients,
+        # and each module reduce-scatters once in the step.
+        record = ranks[0][step]
+        assert not any(record["reduced_before_pass"]), "a mini-batch reduced before the last"
+        assert record["reduce_scatters"] == record["sharded_modules"]
         if resharding == "kept_gathered":
             # Each module gathered once for the whole step, not once per mini-batch pass.
-            assert ranks[0][step]["all_gathers"] == ranks[0][step]["sharded_modules"]
+            assert record["all_gathers"] == record["sharded_modules"]
 
 
 @pytest.mark.parametrize("stage", worker.ZERO_STAGES)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from st_ext.training.fsdp_saving import full_weights_in_place
+from st_ext.training.fsdp_saving import fsdp_hooks_held_back, full_weights_in_place
 
 
 def small_model() -> nn.Module:
@@ -50,3 +50,44 @@ def test_a_partial_state_dict_is_refused_naming_what_it_lacks():
         with full_weights_in_place(model, partial):
             pass
     assert not torch.equal(model[0].weight, torch.full_like(model[0].weight, 7.0))
+
+
+def test_keys_are_the_state_dicts_through_checkpointing_wrappers():
+    """accelerate's ``fsdp_activation_checkpointing`` wraps layers; ``get_model_state_dict`` names their
+    tensors without the wrapper, as ``state_dict()`` does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = small_model()
+    model[0] = checkpoint_wrapper(model[0])
+    given = whole_tensors(model)
+    assert "0.weight" in given
+    with full_weights_in_place(model, given):
+        assert torch.equal(model[0]._checkpoint_wrapped_module.weight, given["0.weight"])
+
+
+def test_buffers_left_out_of_the_state_dict_join_the_whole_tensors_device():
+    """The Trainer gathers onto the CPU while a GPU model's unsaved buffers stay on the GPU; "meta"
+    stands for the other device here."""
+    model = small_model()
+    given = {name: torch.empty_like(tensor, device="meta") for name, tensor in model.state_dict().items()}
+    with full_weights_in_place(model, given):
+        assert model[1].scratch.device.type == "meta"
+    assert model[1].scratch.device.type == "cpu"
+
+
+def fsdp_like(function):
+    """A hook that ``fsdp_hooks_held_back`` takes for FSDP2's, which it tells by the defining module."""
+    function.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    return function
+
+
+def test_fsdp_hooks_are_held_back_and_come_back_in_place():
+    model = nn.Linear(2, 2)
+    fsdp_hook = model.register_forward_pre_hook(fsdp_like(lambda module, args: None), prepend=True)
+    own_hook = model.register_forward_pre_hook(lambda module, args: None)
+    dropped_hook = model.register_forward_pre_hook(lambda module, args: None)
+    with fsdp_hooks_held_back(model):
+        assert list(model._forward_pre_hooks) == [own_hook.id, dropped_hook.id]
+        dropped_hook.remove()
+        added_hook = model.register_forward_pre_hook(lambda module, args: None)
+    assert list(model._forward_pre_hooks) == [fsdp_hook.id, own_hook.id, added_hook.id]

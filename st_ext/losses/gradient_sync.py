@@ -64,10 +64,11 @@ def deepspeed_in_use() -> bool:
 
 @contextmanager
 def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """Besides holding the reduction: a module the user shards with ``reshard_after_forward=False``
-    (FSDP's SHARD_GRAD_OP, ZeRO-2's trade) keeps its gathered parameters after a held backward too, so
-    the step gathers each module once instead of once per mini-batch pass; its peak is unchanged, since
-    each forward leaves it gathered anyway. A module that reshards after forward is left alone."""
+    """Besides holding the reduction: a module that stays gathered after forward (sharded with
+    ``reshard_after_forward=False``, FSDP's SHARD_GRAD_OP; by FSDP2's default, the root module) keeps its
+    gathered parameters after a held backward too, so the step gathers it once instead of once per
+    mini-batch pass; its peak is unchanged, since each forward leaves it gathered anyway. A module that
+    reshards after forward is left alone."""
     kept_gathered = [] if sync else [module for module in model.modules() if _stays_gathered_after_forward(module)]
     model.set_requires_gradient_sync(sync)
     for module in kept_gathered:

@@ -31,23 +31,27 @@ def _is_fsdp_hook(hook: Any) -> bool:
 
 @contextmanager
 def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
-    """Inside the block, ``model``'s modules run without FSDP2's hooks; every other hook stays, and
-    afterwards every hook is where it was in its dictionary (FSDP2 puts its forward pre-hook first)."""
+    """Inside the block, ``model``'s modules run without FSDP2's hooks; every other hook stays. Each
+    FSDP2 hook goes back to its place in its dictionary (FSDP2 puts its forward pre-hook first)."""
     held = []
     for module in model.modules():
         for attribute in _FSDP_HOOK_DICTS:
             hooks = getattr(module, attribute)
-            if any(_is_fsdp_hook(hook) for hook in hooks.values()):
-                held.append((hooks, list(hooks.items())))
-                for hook_id in [hook_id for hook_id, hook in hooks.items() if _is_fsdp_hook(hook)]:
+            removed = {hook_id: hook for hook_id, hook in hooks.items() if _is_fsdp_hook(hook)}
+            if removed:
+                held.append((hooks, list(hooks), removed))
+                for hook_id in removed:
                     del hooks[hook_id]
     try:
         yield
     finally:
-        for hooks, before in held:
-            added = [(hook_id, hook) for hook_id, hook in hooks.items() if hook_id not in dict(before)]
+        for hooks, order, removed in held:
+            present = dict(hooks)
             hooks.clear()
-            hooks.update(before + added)
+            for hook_id in order:
+                if hook_id in removed or hook_id in present:
+                    hooks[hook_id] = removed.get(hook_id, present.get(hook_id))
+            hooks.update((hook_id, hook) for hook_id, hook in present.items() if hook_id not in hooks)
 
 
 @contextmanager
@@ -59,22 +63,36 @@ def whole_model_for_saving(model: nn.Module, state_dict: Mapping[str, torch.Tens
         yield
 
 
+#: Wrappers' own names in a module path, which ``get_model_state_dict`` leaves out of its keys:
+#: activation checkpointing's wrapper (accelerate's ``fsdp_activation_checkpointing``) and ``torch.compile``'s.
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _state_dict_key(path: str) -> str:
+    return ".".join(part for part in path.split(".") if part not in _WRAPPER_NAMES)
+
+
 @contextmanager
 def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Inside the block, ``model``'s parameters and buffers are the whole tensors of ``state_dict`` (as
     ``get_model_state_dict(..., full_state_dict=True)`` names them); afterwards, its own again.
 
     Every parameter and persistent buffer must be in ``state_dict``: a partial one would save a model
-    mixing whole tensors with shards, so it raises ``ValueError`` naming what is missing.
+    mixing whole tensors with shards, so it raises ``ValueError`` naming what is missing. The buffers a
+    state dict leaves out (non-persistent ones, e.g. BERT's ``position_ids``) move to the whole tensors'
+    device meanwhile: the Trainer gathers onto the CPU, and the model card's example must run there.
     """
-    slots = {}
+    slots, unsaved = {}, []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for store in (module._parameters, module._buffers):
             for name, tensor in store.items():
-                if tensor is None or (store is module._buffers and name in module._non_persistent_buffers_set):
+                if tensor is None:
                     continue
-                slots.setdefault(prefix + name, []).append((store, name, tensor))
+                if store is module._buffers and name in module._non_persistent_buffers_set:
+                    unsaved.append((store, name, tensor))
+                else:
+                    slots.setdefault(_state_dict_key(prefix + name), []).append((store, name, tensor))
     missing = sorted(set(slots) - set(state_dict))
     if missing:
         raise ValueError(
@@ -82,13 +100,18 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
             "saving would mix whole tensors with this rank's shards. Save with FSDP's "
             "state_dict_type FULL_STATE_DICT, which gathers every tensor."
         )
+    device = next((tensor.device for tensor in state_dict.values()), None)
     try:
         for key, places in slots.items():
             for store, name, tensor in places:
                 whole = state_dict[key]
                 store[name] = nn.Parameter(whole, requires_grad=False) if isinstance(tensor, nn.Parameter) else whole
+        for store, name, tensor in unsaved:
+            store[name] = tensor.to(device) if device is not None else tensor
         yield
     finally:
         for places in slots.values():
             for store, name, tensor in places:
                 store[name] = tensor
+        for store, name, tensor in unsaved:
+            store[name] = tensor
