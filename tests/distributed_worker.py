@@ -675,14 +675,19 @@ def run_and_report(train: Callable, *args, **kwargs) -> dict:
 
 
 def run_training_scripts(model_dir: Path, classifier_dir: Path, out_dir: Path) -> None:
-    rank = int(os.environ["RANK"])
     reports = {
         "sentence_transformer": run_and_report(train_sentence_transformer, model_dir, out_dir / "st"),
         "cross_encoder": run_and_report(train_cross_encoder, classifier_dir, out_dir / "ce"),
     }
-    (out_dir / f"train-rank{rank}.json").write_text(json.dumps(reports))
-    # The trainers' process group, left open, can abort the interpreter's exit ("terminate called without
-    # an active exception") while its threads are torn down.
+    save_report_and_close(out_dir, "train", reports)
+
+
+def save_report_and_close(out_dir: Path, name: str, report: dict) -> None:
+    """Write this rank's ``report`` as ``out_dir/{name}-rank{rank}.json``, then close the trainers' process
+    group: left open, it can abort the interpreter's exit ("terminate called without an active
+    exception") while its threads are torn down."""
+    rank = int(os.environ["RANK"])
+    (out_dir / f"{name}-rank{rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -713,13 +718,9 @@ def run_deepspeed_training(model_dir: Path, out_dir: Path, stage: int) -> None:
     DeepSpeed's engine spans both ranks: every rank reads the whole dataset and the engine averages
     identical gradients, so the run equals one process's training.
     """
-    rank = int(os.environ["RANK"])
     settings = DEEPSPEED_SETTINGS[stage]
     report = run_and_report(train_sentence_transformer, model_dir, out_dir / f"zero{stage}", **settings)
-    (out_dir / f"train-zero{stage}-rank{rank}.json").write_text(json.dumps(report))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    save_report_and_close(out_dir, f"train-zero{stage}", report)
 
 
 #: How a script is put under FSDP2: an accelerate config, or the Trainer's own arguments.
@@ -755,14 +756,10 @@ def let_accelerate_shard_on_cpu() -> None:
 def run_fsdp2_training(model_dir: Path, out_dir: Path, route: str) -> None:
     """The unchanged sentence-transformer script under FSDP2, set by an accelerate config (the launching
     test puts the environment ``accelerate launch`` derives from it) or by the Trainer's arguments."""
-    rank = int(os.environ["RANK"])
     let_accelerate_shard_on_cpu()
     settings = FSDP2_TRAINER_ARGUMENTS if route == "trainer-arguments" else {}
     report = run_and_report(train_sentence_transformer, model_dir, out_dir / route, **settings)
-    (out_dir / f"fsdp2-{route}-rank{rank}.json").write_text(json.dumps(report))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    save_report_and_close(out_dir, f"fsdp2-{route}", report)
 
 
 def train_with_guide_loaded_last(
@@ -807,7 +804,6 @@ def offload_refusal(model_dir: Path, guide_dir: Path, output_dir: Path) -> str |
 
 def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, frozen_encoders: str) -> None:
     """The arguments-first GIST script under ZeRO-3 (see ``run_deepspeed_training`` for what it equals)."""
-    rank = int(os.environ["RANK"])
     output_dir = out_dir / frozen_encoders
     try:
         trainer, partitioned = train_with_guide_loaded_last(
@@ -818,10 +814,7 @@ def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, froze
         report = {"report": None, "error": f"{type(error).__name__}: {error}"}
     if frozen_encoders == "resident":
         report["offload_error"] = offload_refusal(model_dir, guide_dir, out_dir / "offload")
-    (out_dir / f"guide-{frozen_encoders}-rank{rank}.json").write_text(json.dumps(report))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    save_report_and_close(out_dir, f"guide-{frozen_encoders}", report)
 
 
 def main() -> None:

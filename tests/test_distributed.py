@@ -166,7 +166,7 @@ def trainer_run(model_dirs, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trainer_reports(trainer_run) -> list[dict]:
     """Each rank's report of the unchanged training scripts, rank 0 first."""
-    return [json.loads((trainer_run / f"train-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    return rank_reports(trainer_run, "train")
 
 
 def accelerate_launch_environment(config: Path) -> dict[str, str]:
@@ -202,6 +202,11 @@ def fsdp2_training(request, model_dirs, tmp_path_factory) -> tuple[str, Path]:
 
 def rank_results(out: Path, name: str) -> list:
     return [torch.load(out / f"{name}-rank{rank}.pt", weights_only=False) for rank in range(worker.WORLD_SIZE)]
+
+
+def rank_reports(out: Path, name: str) -> list[dict]:
+    """Each rank's report of a training script (``save_report_and_close``), rank 0 first."""
+    return [json.loads((out / f"{name}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +402,7 @@ def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_traini
     with gradient checkpointing at each ZeRO stage; plain sentence-transformers loads what it saved, and
     the weights equal one process's training (see ``run_deepspeed_training`` for why one process's)."""
     stage, out = deepspeed_training
-    runs = [json.loads((out / f"train-zero{stage}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    runs = rank_reports(out, f"train-zero{stage}")
     for run in runs:
         assert run["error"] is None, run["error"]
         assert run["report"]["wrapped_in"] == "DeepSpeedEngine"
@@ -420,7 +425,7 @@ def test_trainer_trains_under_fsdp2_and_saves_a_plain_model(fsdp2_training, trai
     equal the same script's training under DDP. accelerate shards FSDP only on GPUs, so the worker lets
     CPU ranks take its FSDP2 path (``let_accelerate_shard_on_cpu``)."""
     route, out = fsdp2_training
-    runs = [json.loads((out / f"fsdp2-{route}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    runs = rank_reports(out, f"fsdp2-{route}")
     for run in runs:
         assert run["error"] is None, run["error"]
         assert run["report"]["distributed_type"] == "DistributedType.FSDP"
@@ -458,7 +463,7 @@ def test_guide_loaded_after_zero3_arguments_trains(guide_loaded_last, model_dirs
     use, resident or for "precompute": the trained weights equal one process's training with the whole
     guide. Without st_ext its first pass fails ("'weight' must be 2-D")."""
     mode, out = guide_loaded_last
-    runs = [json.loads((out / f"guide-{mode}-rank{rank}.json").read_text()) for rank in range(worker.WORLD_SIZE)]
+    runs = rank_reports(out, f"guide-{mode}")
     for run in runs:
         assert run["error"] is None, run["error"]
         assert run["guide_partitioned"] is True, "the guide was loaded whole: this checks nothing"

@@ -3,7 +3,8 @@
 Parameters and buffers become ``meta`` tensors, and every reference that would keep the old ones
 alive is dropped: gradients, accelerate hooks, a DeepSpeed engine st_ext attached, forward/backward
 hooks, attributes of the objects passed as ``holders``, optimizer entries. Then freed memory is
-handed back and the leftover check runs. "Moving it to CPU and emptying the cache" looks like a release and frees nothing.
+handed back and the leftover check runs. "Moving it to CPU and emptying the cache" looks like a
+release and frees nothing.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ example, which only the saving rank runs.
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -49,17 +49,17 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
             present = dict(hooks)
             hooks.clear()
             for hook_id in order:
-                if hook_id in removed or hook_id in present:
-                    hooks[hook_id] = removed.get(hook_id, present.get(hook_id))
+                if hook_id in removed:
+                    hooks[hook_id] = removed[hook_id]
+                elif hook_id in present:
+                    hooks[hook_id] = present[hook_id]
             hooks.update((hook_id, hook) for hook_id, hook in present.items() if hook_id not in hooks)
 
 
 @contextmanager
 def whole_model_for_saving(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Inside the block, ``model`` is the whole model of ``state_dict`` and runs on the saving rank alone."""
-    with ExitStack() as stack:
-        stack.enter_context(fsdp_hooks_held_back(model))
-        stack.enter_context(full_weights_in_place(model, state_dict))
+    with fsdp_hooks_held_back(model), full_weights_in_place(model, state_dict):
         yield
 
 
