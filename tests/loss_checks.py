@@ -128,3 +128,15 @@ def pair_dataset(rows: int, seed: int = 0, negatives: int = 0) -> Dataset:
     names = ["anchor", "positive"] + [f"negative_{i + 1}" for i in range(negatives)]
     columns = text_columns(rows, len(names), seed)
     return Dataset.from_dict(dict(zip(names, columns)))
+
+
+class NoDeviceReads(torch.Tensor):
+    """A tensor whose values may not be read on the host: every such read raises."""
+
+    FORBIDDEN = {"item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "cpu", "numpy", "any", "all"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.FORBIDDEN:
+            raise AssertionError(f"{func.__name__} read device data")
+        return super().__torch_function__(func, types, args, kwargs or {})

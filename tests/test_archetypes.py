@@ -31,6 +31,8 @@ from st_ext._compat import preprocess
 from test_trainer import RecordCheckpointing, pair_dataset, scored_pair_dataset, training_args
 from tiny_models import SENTENCES, bert_config, build_tokenizer, cross_encoder_from, sentence_transformer_from
 
+pytestmark = pytest.mark.conformance
+
 NEW_ARCHETYPES = ("SparseEncoder", "MultiVectorEncoder")
 ALL_ARCHETYPES = ("SentenceTransformer", "CrossEncoder", *NEW_ARCHETYPES)
 #: What transformers 5 says when a deprecated checkpointing name is called (or a model only offers one).

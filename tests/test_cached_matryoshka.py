@@ -8,7 +8,8 @@ from torch import nn
 
 from st_ext import losses
 from st_ext._compat import st_losses
-from st_ext.losses.gradcache import minibatch_ranges, slice_minibatch
+from st_ext.losses.features import layout_of, slice_rows
+from st_ext.losses.minibatches import plan_minibatches
 from loss_checks import (
     assert_bounded_by_the_mini_batch,
     assert_losses_agree,
@@ -113,9 +114,10 @@ def test_mini_batches_by_rows_or_by_token_budget():
     lengths = [5, 5, 12, 3, 3]
     mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
     features = {"input_ids": mask.clone(), "attention_mask": mask}
-    assert minibatch_ranges(features, 2) == [(0, 2), (2, 4), (4, 5)]
-    assert minibatch_ranges(features, 2, mini_batch_num_tokens=10) == [(0, 2), (2, 3), (3, 5)]
-    assert slice_minibatch(features, 3, 5)["input_ids"].shape == (2, 3)
+    layout = layout_of(features)
+    assert plan_minibatches([features], [layout], 2).column_ranges() == [[(0, 2), (2, 4), (4, 5)]]
+    assert plan_minibatches([features], [layout], 2, 10).column_ranges() == [[(0, 2), (2, 3), (3, 5)]]
+    assert slice_rows(features, 3, 5, layout)["input_ids"].shape == (2, 3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from torch import nn
 import st_ext
 from st_ext import losses
 from st_ext._compat import separate_column_forwards, st_losses, st_modules
-from st_ext.losses.gradcache import gradcache_forward, slice_minibatch
+from st_ext.losses.features import layout_of, slice_rows
+from st_ext.losses.gradcache import gradcache_forward
 from loss_checks import assert_same_grads, features_of, loss_and_grads, pair_dataset, text_columns
 from tiny_models import save_tiny_bert, sentence_transformer_from
 
@@ -530,7 +531,8 @@ def test_replay_re_embeds_every_mini_batch_bit_for_bit_with_dropout(model, guide
     for index, (embedded, replayed) in enumerate(zip(first_pass, replay)):
         assert torch.equal(embedded, replayed), f"mini-batch {index} was re-embedded differently"
     # The premise: embedding a mini-batch again from another RNG state gives other embeddings.
-    minibatch = slice_minibatch(on(device, features_of(model, columns))[0], 0, 2)
+    anchors = on(device, features_of(model, columns))[0]
+    minibatch = slice_rows(anchors, 0, 2, layout_of(anchors))
     with torch.no_grad():
         again = [model(dict(minibatch))["sentence_embedding"] for _ in "ab"]
     assert not torch.equal(*again)

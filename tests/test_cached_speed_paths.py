@@ -22,7 +22,7 @@ from st_ext._compat import preprocess, separate_column_forwards, st_losses
 from st_ext.losses import auto_mini_batch
 from st_ext.losses.minibatches import can_merge, layout_of, minibatch_features, plan_minibatches
 from st_ext.memory import measure_peak
-from loss_checks import assert_same_grads, features_of, guide_from, loss_and_grads, text_columns
+from loss_checks import NoDeviceReads, assert_same_grads, features_of, guide_from, loss_and_grads, text_columns
 
 upstream = st_losses()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -160,18 +160,6 @@ def test_columns_that_cannot_share_a_pass_are_embedded_apart(model):
     assert not can_merge([features[0], left], left_layouts)
     plan = plan_minibatches([features[0], left], left_layouts, 6)
     assert all(len({segment.column for segment in minibatch}) == 1 for minibatch in plan.minibatches)
-
-
-class NoDeviceReads(torch.Tensor):
-    """A tensor whose values may not be read on the host: every such read raises."""
-
-    FORBIDDEN = {"item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "cpu", "numpy", "any", "all"}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in cls.FORBIDDEN:
-            raise AssertionError(f"{func.__name__} read device data")
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def test_planning_and_slicing_mini_batches_never_read_device_data(model):

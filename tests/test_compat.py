@@ -11,6 +11,8 @@ import pytest
 
 from st_ext import _compat
 
+pytestmark = pytest.mark.conformance
+
 FIX = "pip install 'sentence-transformers>=4.1.0,<6.3'"
 
 

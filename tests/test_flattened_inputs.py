@@ -13,21 +13,15 @@ from datasets import Dataset
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
-from st_ext.losses.features import (
-    batch_size_of,
-    is_flattened,
-    minibatch_ranges,
-    row_token_keys,
-    select_rows,
-    slice_minibatch,
-    to_padded,
-)
+from st_ext.losses.features import batch_size_of, is_flattened, layout_of, row_token_keys, select_rows, slice_rows, to_padded
+from st_ext.losses.minibatches import plan_minibatches
 from st_ext.losses.frozen_encoders import combined_row_keys, decoded_texts
 from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
 from tiny_models import SENTENCES, sentence_transformer_from
 from varlen_attention import flattening_supported, make_flattening
 
 pytestmark = [
+    pytest.mark.conformance,
     pytest.mark.skipif(not flattening_supported(), reason="sentence-transformers flattens inputs from 5.4 on"),
     pytest.mark.usefixtures("one_torch_thread"),
 ]
@@ -82,9 +76,9 @@ def test_rows_slices_and_keys_match_the_padded_layout(model, flat_model):
     assert combined_row_keys([flat, flat]) == combined_row_keys([padded, padded])
     assert torch.equal(document_keys(flat), document_keys(padded))
     assert decoded_texts(flat, model.tokenizer) == decoded_texts(padded, model.tokenizer)
-    assert minibatch_ranges(flat, 3, mini_batch_num_tokens=20) == minibatch_ranges(padded, 3, mini_batch_num_tokens=20)
-    assert minibatch_ranges(flat, 3) == [(0, 3), (3, 6), (6, 8)]
-    for rows, sliced in [([2, 3, 4], slice_minibatch(flat, 2, 5)), ([5, 1], select_rows(flat, [5, 1]))]:
+    assert column_ranges(flat, 3, 20) == column_ranges(padded, 3, 20)
+    assert column_ranges(flat, 3) == [(0, 3), (3, 6), (6, 8)]
+    for rows, sliced in [([2, 3, 4], slice_rows(flat, 2, 5, layout_of(flat))), ([5, 1], select_rows(flat, [5, 1]))]:
         expected = preprocess(flat_model, [SENTENCES[row] for row in rows])
         assert sliced.keys() == expected.keys()
         for key, value in expected.items():
@@ -94,11 +88,15 @@ def test_rows_slices_and_keys_match_the_padded_layout(model, flat_model):
     assert torch.equal(repadded["attention_mask"].bool(), padded["attention_mask"].bool())
 
 
+def column_ranges(features, size, num_tokens=None):
+    return plan_minibatches([features], [layout_of(features)], size, num_tokens).column_ranges()[0]
+
+
 def test_slices_are_copies(flat_model, model):
     """A module editing its mini-batch in place must not change the batch another pass slices again."""
     for features in (preprocess(flat_model, SENTENCES), preprocess(model, SENTENCES)):
         before = {key: value.clone() for key, value in features.items() if isinstance(value, torch.Tensor)}
-        for value in slice_minibatch(features, 0, 4).values():
+        for value in slice_rows(features, 0, 4, layout_of(features)).values():
             if isinstance(value, torch.Tensor):
                 value.zero_()
         for key, value in before.items():

@@ -34,7 +34,7 @@ from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_data
 from tiny_models import build_tokenizer, sentence_transformer_from
 
 upstream = st_losses()
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 
 POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY

@@ -215,9 +215,9 @@ class _Series:
             if peak is None or peak > self.budget:
                 return fitting
             fitting = size
-        if len(self.order) < self.rows:
+        if len(self.order) < self.rows and fitting == len(self.order):
             # Columns that cannot share a forward pass: one pass holds every column's graph at once,
-            # each at most as large as the longest column's.
+            # each at most as large as the longest column's (measured last, just above).
             whole = self._step_peak(graph_peak * len(self.layouts), dim, self.rows)
             self.peaks[self.rows] = whole
             self.seconds[self.rows] = self.seconds[fitting] * len(self.layouts)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from st_ext._compat import upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses.gist import CachedGISTEmbedLoss, guide_pass
 from st_ext.losses.gradcache import CachedLoss, Features, Ranges, Reps
+from st_ext.losses.overrides import upstream_hook_overrides
 
 #: Turns a loss instance into its :class:`CachedLoss` view, or None.
 CachedLossAdapter = Callable[[nn.Module], "CachedLoss | None"]
@@ -44,12 +45,13 @@ def cached_loss_view(loss: nn.Module) -> CachedLoss | None:
 
     The adapter of the first class along ``type(loss).__mro__`` that has one decides. None means the
     wrapper handles ``loss`` as upstream would without st_ext (including a gradient-caching loss st_ext
-    cannot reach into: upstream then raises or runs it as the installed release does).
+    cannot reach into: upstream then raises or runs it as the installed release does, and a subclass
+    that overrides a step of upstream's engine, which only upstream's engine calls).
     """
     for cls in type(loss).__mro__:
         adapter = _ADAPTERS.get(cls)
         if adapter is not None:
-            return adapter(loss)
+            return None if upstream_hook_overrides(loss, cls) else adapter(loss)
     return None
 
 

@@ -8,6 +8,9 @@ hardness, gathering across devices), and the model card names upstream's class. 
 pass is st_ext's (:func:`~st_ext.losses.gradcache.gradcache_forward`): columns share forward passes,
 each mini-batch is as wide as its own longest row, nothing waits on the device between mini-batches,
 one pass runs when the whole batch fits, and ``mini_batch_size`` may be ``"auto"``.
+
+A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...: see
+:mod:`st_ext.losses.overrides`) runs upstream's forward instead, which calls its override.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from st_ext.losses._signatures import named_like_upstream, upstream_parameters
 from st_ext.losses.auto_mini_batch import AUTO, auto_state
 from st_ext.losses.cached_adapters import UpstreamCachedLoss
 from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
+from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()
 
@@ -31,7 +35,13 @@ _PLACEHOLDER_SIZE = 32
 
 
 class CachedRankingLoss:
-    """What both classes add to their upstream base: the auto mode and st_ext's forward pass."""
+    """What both classes add to their upstream base: the auto mode and st_ext's forward pass.
+
+    ``st_ext_upstream_class`` is the upstream class the generated class derives from: a subclass that
+    overrides one of its engine's hooks runs its forward, the one that calls them.
+    """
+
+    st_ext_upstream_class: type
 
     def _set_up_mini_batching(self, memory_budget_mb: float | None) -> None:
         validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
@@ -39,11 +49,14 @@ class CachedRankingLoss:
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
         self.memory_budget_mb = memory_budget_mb
+        upstream_hook_overrides(self, self.st_ext_upstream_class)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         if len(sentence_features) < 2:
             raise ValueError(f"Expected at least 2 inputs, got {len(sentence_features)}")
+        if upstream_hook_overrides(self, self.st_ext_upstream_class):
+            return super().forward(sentence_features, labels)
         return gradcache_forward(UpstreamCachedLoss(self, as_decorated=True), sentence_features, labels)
 
 
@@ -82,6 +95,7 @@ def _subclass(upstream_class: type) -> type:
         "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n",
         "__module__": __name__,
         "__qualname__": upstream_class.__name__,
+        "st_ext_upstream_class": upstream_class,
     }
     cls = type(upstream_class.__name__, (CachedRankingLoss, upstream_class), namespace)
     return named_like_upstream(upstream_class)(cls)

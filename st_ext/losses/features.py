@@ -1,28 +1,41 @@
-"""One input column's tokenized features, padded or flattened: its rows, their token ids, mini-batch slices.
+"""One input column's features: which part of every key belongs to which row, and cutting rows out of them.
 
-sentence-transformers hands a loss one dict of features per input column, in one of two layouts:
+sentence-transformers hands a loss one dict of features per input column. Which part of a key
+belongs to row ``i`` depends on the key, and this module is the one place that knows it:
 
-* padded: ``input_ids`` and ``attention_mask`` of shape ``(rows, width)``;
-* flattened (sentence-transformers 5.4+, when the model's attention takes variable-length
-  sequences, e.g. flash-attention 2): every row concatenated into ``input_ids`` of shape
-  ``(1, tokens)``, row boundaries in ``cu_seq_lens_q``/``cu_seq_lens_k`` (``rows + 1`` offsets),
-  per-token ``position_ids`` and ``seq_idx``, the longest row in ``max_length_q``/``max_length_k``,
-  and no attention mask.
+* **row-first** tensors: index ``i`` of the first axis (padded text ``(rows, width)``, per-row
+  images ``(rows, C, H, W)`` as CLIP/SigLIP give them, ``num_images_per_sample``, sample-first
+  image keys such as Idefics3's ``(rows, images, C, H, W)``). Padded text's token axis is trimmed to
+  the widest row of a slice; leading padding is kept, so positions do not shift.
+* **flattened text** (sentence-transformers 5.4+ with variable-length attention): every row in one
+  sequence ``(1, tokens)``, the rows' token offsets in ``cu_seq_lens_q``; the slice's boundaries,
+  ``seq_idx`` and longest length are rebuilt.
+* **flattened media** (Qwen2-VL style): every image's patches in one ``pixel_values``
+  ``(patches, dim)``, one ``image_grid_thw`` row per image whose product is its patch count, and
+  ``num_images_per_sample`` images per row (videos alike, with ``video_grid_thw``,
+  ``pixel_values_videos`` and ``num_videos_per_sample``). A slice with no image drops the keys.
+* **per-image** tensors without a grid (LLaVA / Gemma3 style): ``pixel_values``, ``image_sizes`` and
+  ``image_position_ids`` hold ``num_images_per_sample[i]`` entries for row ``i``.
+* everything else that is not a tensor with rows (strings, numbers, 0-d tensors) is shared by every row.
 
-Everything in st_ext that splits a column into mini-batches, picks rows out of it, or keys a row
-by its token ids goes through these functions, so both layouts give the same rows, the same keys
-and the same losses. Every slice is a copy: a module that edits its input in place (sentence-
-transformers 4.x's ``Pooling`` zeroes prompt positions in the mask it is given) cannot change what
-a later pass over the same rows sees.
+These are the rules of upstream's ``_create_minibatch`` (sentence-transformers 6.2), so a slice
+here holds what upstream's engine would embed for the same rows. :func:`layout_of` applies them
+once per column and batch, reading the few counts it needs from the device in one copy each;
+cutting and concatenating afterwards never reads the device again. A tensor that no rule covers
+stops the step with :class:`UnsliceableFeatureError`: a guessed cut would embed the wrong pixels
+without a sound. Every slice is a copy: a module that edits its input in place (4.x's ``Pooling``
+zeroes prompt positions in the mask it is given) cannot change what a later pass over the rows sees.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 Features = dict[str, Any]
@@ -34,6 +47,25 @@ BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
 #: Keys only flattened features carry; a padded copy drops them.
 FLATTENED_ONLY_KEYS = (*BOUNDARY_KEYS, *MAX_LENGTH_KEYS, "seq_idx", "position_ids")
+#: ``(grid, patches, per-row count)`` keys of flattened media, and the axes they are cut along.
+MEDIA_GRIDS = (
+    ("image_grid_thw", "pixel_values", "num_images_per_sample", "image", "image_patch"),
+    ("video_grid_thw", "pixel_values_videos", "num_videos_per_sample", "video", "video_patch"),
+)
+#: Keys indexed per image by models without a grid (LLaVA, Gemma3).
+PER_IMAGE_KEYS = ("pixel_values", "image_position_ids", "image_sizes")
+#: Keys of processors that pad images per row (Idefics3, Mllama): their image keys are row-first.
+SAMPLE_FIRST_IMAGE_KEYS = ("pixel_attention_mask", "aspect_ratio_ids")
+#: Positions scored although their attention mask is 0 (ColBERT query expansion): never trimmed away.
+SCORED_PADDING_KEY = "query_expansion_positions"
+
+# How a key is cut (values of ColumnLayout.cuts): along a named axis whose per-row offsets the
+# layout holds, or one of these.
+ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX = "row", "token", "shared", "boundaries", "max_length", "seq_idx"
+
+
+class UnsliceableFeatureError(ValueError):
+    """A feature no rule says how to split into rows: the step stops rather than embed a guessed slice."""
 
 
 def is_flattened(features: Features) -> bool:
@@ -47,13 +79,270 @@ def row_boundaries(features: Features) -> list[int]:
 
 
 def batch_size_of(features: Features) -> int:
-    """Rows in a column's features, in either layout."""
+    """Rows in a column's features, in either layout (the text keys first: media may count images)."""
     if is_flattened(features):
         return len(features["cu_seq_lens_q"]) - 1
     for key in ("input_ids", "attention_mask"):
         if isinstance(features.get(key), Tensor):
             return features[key].shape[0]
     return next(value.shape[0] for value in features.values() if isinstance(value, Tensor) and value.ndim > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: how every key is cut, with the per-row offsets it is cut by
+
+
+@dataclass(frozen=True)
+class ColumnLayout:
+    """How to cut one column into rows, on the host: enough to slice it without asking the device again.
+
+    ``cuts``: for every key, the axis it is cut along (a key of ``offsets``) or how it is rebuilt;
+    ``offsets``: per axis, ``rows + 1`` offsets: row ``i`` owns entries ``offsets[i]:offsets[i + 1]``;
+    ``token_axis_keys``: padded keys whose second axis is the token axis (trimmed to a slice's width);
+    ``lengths``: non-padding tokens per row (None when the features say nothing about padding);
+    ``ends``: padded layout, one past each row's last scored token (the width that row needs);
+    ``right_padded``: every row starts at position 0, so padding can be added on the right.
+    """
+
+    rows: int
+    cuts: Mapping[str, str]
+    offsets: Mapping[str, np.ndarray]
+    token_axis_keys: frozenset[str] = frozenset()
+    lengths: np.ndarray | None = None
+    ends: np.ndarray | None = None
+    right_padded: bool = False
+
+    @property
+    def flattened(self) -> bool:
+        return TOKEN in self.offsets
+
+    @property
+    def bounds(self) -> np.ndarray | None:
+        """Flattened layout: the token offsets of the rows (``cu_seq_lens_q``)."""
+        return self.offsets.get(TOKEN)
+
+    @property
+    def has_media_axes(self) -> bool:
+        """Some key is cut per image or per patch rather than per row."""
+        return any(cut not in (ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX) for cut in self.cuts.values())
+
+
+def layout_of(features: Features) -> ColumnLayout:
+    """The column's :class:`ColumnLayout`, from one device-to-host copy of its text facts (and one of
+    its media counts, if it has media)."""
+    rows = batch_size_of(features)
+    offsets: dict[str, np.ndarray] = {ROW: np.arange(rows + 1)}
+    if is_flattened(features):
+        bounds = features["cu_seq_lens_q"].detach().cpu().to(torch.int64).numpy()
+        offsets[TOKEN] = bounds
+        text: dict[str, Any] = {"lengths": np.diff(bounds)}
+        rebuilt = {**dict.fromkeys(BOUNDARY_KEYS, BOUNDARIES), **dict.fromkeys(MAX_LENGTH_KEYS, MAX_LENGTH)}
+        rebuilt["seq_idx"] = SEQ_IDX
+        width = None
+    else:
+        text = _padded_text_facts(features)
+        rebuilt = _media_cuts(features, rows, offsets)
+        width = features["attention_mask"].shape[1] if "lengths" in text else None
+    cuts: dict[str, str] = {}
+    token_axis_keys = set()
+    for key, value in features.items():
+        if key in rebuilt:
+            cuts[key] = rebuilt[key]
+        elif not isinstance(value, Tensor) or value.ndim == 0:
+            cuts[key] = SHARED
+        elif TOKEN in offsets and value.shape[-1] == offsets[TOKEN][-1]:
+            cuts[key] = TOKEN
+        elif value.shape[0] == rows:
+            cuts[key] = ROW
+            if width is not None and value.ndim >= 2 and value.shape[1] == width and not _is_media_key(key):
+                token_axis_keys.add(key)
+        else:
+            raise UnsliceableFeatureError(
+                f"Cannot split the features into mini-batches: key {key!r} "
+                f"holds a tensor of shape {tuple(value.shape)} whose first axis is not the column's {rows} rows, "
+                "and st_ext knows no rule that says which part of it belongs to which row (it knows padded and "
+                "flattened text, per-row images, Qwen2-VL-style image/video grids with num_images_per_sample, "
+                "and per-image keys). Rather than guess, the step stops. Use the uncached loss for this model, "
+                "or report the key and the model so a rule can be added."
+            )
+    return ColumnLayout(rows, cuts, offsets, frozenset(token_axis_keys), **text)
+
+
+def _is_media_key(key: str) -> bool:
+    """Keys of images and videos: never a token axis, whatever their shape."""
+    media_keys = {key for entry in MEDIA_GRIDS for key in entry[:3]} | {*PER_IMAGE_KEYS, *SAMPLE_FIRST_IMAGE_KEYS}
+    return key.startswith("pixel_") or key in media_keys
+
+
+def _padded_text_facts(features: Features) -> dict[str, Any]:
+    """Lengths, ends and padding side of padded rows, from one copy; positions a model scores although
+    they are masked (query expansion) count as part of their row."""
+    mask = features.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.ndim != 2:
+        return {}
+    active = mask.detach().bool()
+    scored = features.get(SCORED_PADDING_KEY)
+    if isinstance(scored, Tensor) and scored.shape == active.shape:
+        active = active | scored.detach().bool().to(active.device)
+    width = active.shape[1]
+    positions = torch.arange(1, width + 1, device=active.device)
+    facts = torch.stack(
+        [
+            mask.detach().bool().sum(dim=1),
+            (active * positions).amax(dim=1) if width else active.sum(dim=1),
+            # The first scored position; an empty row counts as starting at 0.
+            torch.where(active.any(dim=1), active.to(torch.int8).argmax(dim=1), 0) if width else active.sum(dim=1),
+        ]
+    )
+    lengths, ends, starts = facts.cpu().numpy()
+    return {"lengths": lengths, "ends": ends, "right_padded": not starts.any()}
+
+
+def _media_cuts(features: Features, rows: int, offsets: dict[str, np.ndarray]) -> dict[str, str]:
+    """Cuts of the media keys of padded features, adding the per-row offsets of their axes to ``offsets``."""
+    cuts: dict[str, str] = {}
+    counts = {
+        key: features[key] for _, _, key, _, _ in MEDIA_GRIDS if isinstance(features.get(key), Tensor)
+    }
+    grids = [
+        entry
+        for entry in MEDIA_GRIDS
+        if isinstance(features.get(entry[0]), Tensor) and isinstance(features.get(entry[1]), Tensor)
+    ]
+    per_image = (
+        not any(entry[1] == "pixel_values" for entry in grids)
+        and "num_images_per_sample" in counts
+        and isinstance(features.get("pixel_values"), Tensor)
+        and not any(key in features for key in SAMPLE_FIRST_IMAGE_KEYS)
+    )
+    if not grids and not per_image:
+        return cuts
+    # The counts that decide the axes, read from the device in one copy.
+    host = _to_host({**counts, **{grid: features[grid].prod(dim=1) for grid, *_ in grids}})
+    for grid, patches, count, item_axis, patch_axis in grids:
+        if count in host:
+            items = _offsets(host[count])
+            cuts[grid] = item_axis
+        elif features[grid].shape[0] == rows:
+            items = np.arange(rows + 1)
+        else:
+            continue  # the layout check below names the keys it cannot cut
+        patch_ends = np.concatenate([[0], np.cumsum(host[grid])])
+        offsets[item_axis], offsets[patch_axis] = items, patch_ends[items]
+        cuts[patches] = patch_axis
+    if per_image:
+        images = _offsets(host["num_images_per_sample"])
+        if features["pixel_values"].shape[0] == images[-1]:
+            offsets["image"] = images
+            cuts.update({key: "image" for key in PER_IMAGE_KEYS if key in features})
+    return cuts
+
+
+def _to_host(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    """1-D integer tensors, copied to the host together."""
+    if not tensors:
+        return {}
+    sizes = [len(value) for value in tensors.values()]
+    flat = torch.cat([value.detach().reshape(-1).to(torch.int64).cpu() for value in tensors.values()]).numpy()
+    return dict(zip(tensors, np.split(flat, np.cumsum(sizes)[:-1])))
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cutting rows out, and putting slices together
+
+
+def slice_rows(features: Features, begin: int, end: int, layout: ColumnLayout) -> Features:
+    """Rows ``begin:end`` of a column as a copy, cut by its layout (no device synchronisation): padded
+    rows lose the trailing padding none of them needs, flattened rows get their boundaries, row numbers
+    and longest length rebuilt, media keys keep the rows' images (and are left out when there are none)."""
+    width = None
+    if layout.ends is not None and end > begin:
+        width = int(layout.ends[begin:end].max()) or None
+    sliced: Features = {}
+    for key, value in features.items():
+        cut = layout.cuts[key]
+        if cut == SHARED:
+            sliced[key] = value.clone() if isinstance(value, Tensor) else value
+        elif cut == BOUNDARIES:
+            new_bounds = torch.from_numpy(layout.bounds[begin : end + 1] - layout.bounds[begin])
+            sliced[key] = new_bounds.to(device=value.device, dtype=value.dtype)
+        elif cut == MAX_LENGTH:
+            sliced[key] = int(layout.lengths[begin:end].max()) if end > begin else 0
+        elif cut == SEQ_IDX:
+            first, last = layout.bounds[begin], layout.bounds[end]
+            sliced[key] = value[..., first:last] - begin
+        elif cut == TOKEN:
+            sliced[key] = value[..., layout.bounds[begin] : layout.bounds[end]].clone()
+        else:
+            low, high = int(layout.offsets[cut][begin]), int(layout.offsets[cut][end])
+            if high == low and cut != ROW:
+                continue
+            value = value[low:high]
+            if width is not None and key in layout.token_axis_keys:
+                value = value[:, :width]
+            sliced[key] = value.clone()
+    return sliced
+
+
+def select_rows(features: Features, rows: Sequence[int], layout: ColumnLayout | None = None) -> Features:
+    """The given rows of a column, in that order, as one copy (runs of consecutive rows cut at once)."""
+    layout = layout or layout_of(features)
+    runs: Ranges = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    if not runs:
+        return slice_rows(features, 0, 0, layout)
+    return concat_slices([slice_rows(features, begin, end, layout) for begin, end in runs], layout)
+
+
+def concat_slices(pieces: Sequence[Features], layout: ColumnLayout) -> Features:
+    """Slices (of this column, or of columns that :func:`~st_ext.losses.minibatches.can_merge`), as one
+    batch of their rows in order: padded token axes zero-padded on the right where the mask is 0,
+    flattened boundaries shifted by the tokens before and row numbers by the rows before."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if layout.flattened:
+        tokens = [piece["input_ids"].shape[-1] for piece in pieces]
+        token_offsets = np.cumsum([0, *tokens])
+        row_offsets = np.cumsum([0, *(len(piece["cu_seq_lens_q"]) - 1 for piece in pieces)])
+    width = max((piece["attention_mask"].shape[1] for piece in pieces if "attention_mask" in piece), default=None)
+    merged: Features = {}
+    for key, cut in layout.cuts.items():
+        values = [piece[key] for piece in pieces if key in piece]
+        if not values:
+            continue
+        if cut == SHARED:
+            merged[key] = values[0]
+        elif cut == BOUNDARIES:
+            merged[key] = torch.cat([values[0], *(v[1:] + int(token_offsets[i]) for i, v in enumerate(values) if i)])
+        elif cut == MAX_LENGTH:
+            merged[key] = max(values)
+        elif cut == SEQ_IDX:
+            merged[key] = torch.cat([v + int(row_offsets[i]) for i, v in enumerate(values)], dim=-1)
+        elif cut == TOKEN:
+            merged[key] = torch.cat(values, dim=-1)
+        elif key in layout.token_axis_keys:
+            merged[key] = torch.cat([_pad_tokens(value, width) for value in values], dim=0)
+        else:
+            merged[key] = torch.cat(values, dim=0)
+    return merged
+
+
+def _pad_tokens(value: Tensor, width: int) -> Tensor:
+    if value.shape[1] == width:
+        return value
+    return F.pad(value, [0, 0] * (value.ndim - 2) + [0, width - value.shape[1]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows as text: token ids, keys, a padded copy
 
 
 def row_token_ids(features: Features) -> list[np.ndarray]:
@@ -74,126 +363,6 @@ def row_token_keys(features: Features) -> list[bytes]:
     """One key per row: its non-padding token ids, so the same text has the same key in either layout
     and at any padding."""
     return [ids.tobytes() for ids in row_token_ids(features)]
-
-
-def row_lengths(features: Features) -> list[int]:
-    """Non-padding tokens in every row."""
-    if is_flattened(features):
-        bounds = row_boundaries(features)
-        return [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
-    mask = features.get("attention_mask")
-    if not isinstance(mask, Tensor):
-        raise ValueError(
-            "mini_batch_num_tokens needs per-row token counts, but the features hold neither 'cu_seq_lens_q' "
-            "(flattened inputs) nor an 'attention_mask' (padded inputs). Use mini_batch_size instead."
-        )
-    return mask.sum(dim=1).tolist()
-
-
-def minibatch_ranges(features: Features, mini_batch_size: int, mini_batch_num_tokens: int | None = None) -> Ranges:
-    """``(begin, end)`` rows of each mini-batch: ``mini_batch_size`` rows each, or, with a token budget,
-    as many rows as fit ``mini_batch_num_tokens`` non-padding tokens (a longer row goes alone)."""
-    rows = batch_size_of(features)
-    if mini_batch_num_tokens is None:
-        return [(begin, min(begin + mini_batch_size, rows)) for begin in range(0, rows, mini_batch_size)]
-    cumulative = np.cumsum(row_lengths(features)).tolist()
-    ranges, begin = [], 0
-    while begin < rows:
-        used_before = cumulative[begin - 1] if begin else 0
-        end = max(bisect.bisect_right(cumulative, used_before + mini_batch_num_tokens), begin + 1)
-        ranges.append((begin, end))
-        begin = end
-    return ranges
-
-
-def slice_minibatch(features: Features, begin: int, end: int) -> Features:
-    """Rows ``begin:end`` of a column, as a copy, without padding none of them needs.
-
-    Padded: trailing padding columns that every row of the slice shares are dropped, so a
-    mini-batch of short texts is not embedded at the width of the batch's longest text (leading
-    padding is kept, so positions do not shift). Flattened: the rows' tokens, with boundaries,
-    ``seq_idx`` and maximum lengths rebuilt for the slice. Non-tensor values pass through.
-    """
-    if is_flattened(features):
-        return _select_flattened(features, list(range(begin, end)))
-    return _trim_padding({key: _rows(value, slice(begin, end)) for key, value in features.items()}, features)
-
-
-def select_rows(features: Features, rows: list[int]) -> Features:
-    """The given rows of a column, in that order, as a copy trimmed of padding they all share."""
-    if is_flattened(features):
-        return _select_flattened(features, rows)
-    index = torch.tensor(rows, dtype=torch.long)
-    picked = {
-        key: _rows(value, index.to(value.device) if isinstance(value, Tensor) else index)
-        for key, value in features.items()
-    }
-    return _trim_padding(picked, features)
-
-
-def _rows(value: Any, index: slice | Tensor) -> Any:
-    if isinstance(value, Tensor) and value.ndim >= 1:
-        return value[index]
-    return value
-
-
-def _trim_padding(picked: Features, original: Features) -> Features:
-    """``picked`` rows with the trailing padding columns they all share dropped, every tensor copied."""
-    mask = picked.get("attention_mask")
-    width = seq_len = None
-    if isinstance(mask, Tensor) and mask.ndim == 2:
-        seq_len = original["attention_mask"].shape[1]
-        active = mask.bool().any(dim=0).nonzero()
-        width = int(active.max()) + 1 if len(active) else seq_len
-    trimmed = {}
-    for key, value in picked.items():
-        if isinstance(value, Tensor):
-            if width is not None and value.ndim >= 2 and value.shape[1] == seq_len:
-                value = value[:, :width]
-            value = value.clone()
-        trimmed[key] = value
-    return trimmed
-
-
-def _select_flattened(features: Features, rows: list[int]) -> Features:
-    """The given rows of flattened features, concatenated in order, with their metadata rebuilt."""
-    bounds = row_boundaries(features)
-    total = bounds[-1]
-    lengths = [bounds[row + 1] - bounds[row] for row in rows]
-    tokens = _token_selector(bounds, rows)
-    new_bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=features["cu_seq_lens_q"].dtype)
-    selected: Features = {}
-    for key, value in features.items():
-        if key in BOUNDARY_KEYS:
-            selected[key] = new_bounds.to(value.device)
-        elif key in MAX_LENGTH_KEYS:
-            selected[key] = max(lengths, default=0)
-        elif key == "seq_idx":
-            selected[key] = _renumbered_rows(value, tokens, rows, lengths)
-        elif isinstance(value, Tensor) and value.ndim >= 1 and value.shape[-1] == total:
-            index = tokens if isinstance(tokens, slice) else tokens.to(value.device)
-            selected[key] = value[..., index].clone()
-        else:
-            selected[key] = value.clone() if isinstance(value, Tensor) else value
-    return selected
-
-
-def _token_selector(bounds: list[int], rows: list[int]) -> slice | Tensor:
-    """The token positions of ``rows``: a slice when they are consecutive (every mini-batch, so no
-    per-token index is built on the host), else an index tensor."""
-    if not rows:
-        return slice(0, 0)
-    if rows == list(range(rows[0], rows[-1] + 1)):
-        return slice(bounds[rows[0]], bounds[rows[-1] + 1])
-    return torch.cat([torch.arange(bounds[row], bounds[row + 1]) for row in rows])
-
-
-def _renumbered_rows(seq_idx: Tensor, tokens: slice | Tensor, rows: list[int], lengths: list[int]) -> Tensor:
-    """Each selected token's row number within the selection."""
-    if isinstance(tokens, slice):
-        return seq_idx[..., tokens] - (rows[0] if rows else 0)
-    numbers = torch.repeat_interleave(torch.arange(len(rows), dtype=seq_idx.dtype), torch.tensor(lengths))
-    return numbers.reshape(*seq_idx.shape[:-1], -1).to(seq_idx.device)
 
 
 def to_padded(features: Features, pad_token_id: int = 0) -> Features:

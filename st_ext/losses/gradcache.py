@@ -42,14 +42,15 @@ from st_ext._compat import st_modules, unwrapped_model
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
 from st_ext.losses.gradient_sync import gradient_sync
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
+    ColumnLayout,
     Features,
     Ranges,
+    UnsliceableFeatureError,
     batch_size_of,
-    minibatch_ranges,
+    layout_of,
     row_token_keys,
-    slice_minibatch,
 )
-from st_ext.losses.minibatches import MiniBatchPlan, layout_of, minibatch_features, plan_minibatches, split_rows
+from st_ext.losses.minibatches import MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
 
 #: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
 Reps = list[list[Tensor]]
@@ -143,6 +144,24 @@ def embeds_with_static_embedding(model: nn.Module) -> bool:
     routes = getattr(first, "sub_modules", None)
     inputs = [next(iter(route), None) for route in routes.values()] if hasattr(routes, "values") else [first]
     return any(isinstance(module, static_embedding) for module in inputs)
+
+
+def input_module_name(model: nn.Module) -> str:
+    """The module that turns a model's inputs into features, as an error names it: its class, and the
+    Hugging Face model class inside it when it has one (``Transformer (Qwen2VLModel)``)."""
+    model = unwrapped_model(model)
+    first = model[0] if isinstance(model, nn.Sequential) and len(model) else model
+    inner = getattr(first, "auto_model", None)
+    return type(first).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
+
+
+def column_layouts(model: nn.Module, sentence_features: Sequence[Features]) -> list[ColumnLayout]:
+    """Every column's :class:`~st_ext.losses.features.ColumnLayout`; a feature no rule can cut stops
+    the step, naming the model's input module that produced it."""
+    try:
+        return [layout_of(features) for features in sentence_features]
+    except UnsliceableFeatureError as error:
+        raise UnsliceableFeatureError(f"{error} The features come from {input_module_name(model)}.") from None
 
 
 def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
@@ -278,7 +297,7 @@ def gradcache_forward(
     as_given = (lambda outputs: outputs) if encoder is not None else (lambda outputs: outputs[0])
     encoder = encoder or sentence_embedding
     sentence_features = list(sentence_features)
-    layouts = [layout_of(features) for features in sentence_features]
+    layouts = column_layouts(loss.model, sentence_features)
     show_progress_bar = getattr(loss, "show_progress_bar", False)
     with resolved_mini_batch_size(loss, sentence_features, layouts) as batching:
         plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)

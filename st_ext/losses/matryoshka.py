@@ -162,17 +162,19 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         n_dims_per_step: int = -1,
     ) -> None:
         _check_inner_loss(model, loss)
-        caches = cached_loss_view(loss) is not None or _is_cached_memory(loss)
-        if not caches:
+        self._on_st_ext_engine = cached_loss_view(loss) is not None or _is_cached_memory(loss)
+        if not self._on_st_ext_engine:
+            # Upstream's wrapper, whole: its own forward reads the uses_gradient_cache it sets (6.x).
             super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+            self.uses_gradient_cache = getattr(self, "uses_gradient_cache", False)
         else:
             # Upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
             super().__init__(model, PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
             self.loss = loss
-        self.uses_gradient_cache = caches
+            self.uses_gradient_cache = True
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        if not self.uses_gradient_cache:
+        if not self._on_st_ext_engine:
             return super().forward(sentence_features, labels)
         dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
         if isinstance(self.loss, CrossBatchMemoryLoss):

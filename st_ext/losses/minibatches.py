@@ -22,57 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from st_ext.losses.features import BOUNDARY_KEYS, MAX_LENGTH_KEYS, Features, Ranges, batch_size_of, is_flattened
-
-
-@dataclass(frozen=True)
-class ColumnLayout:
-    """Per-row facts of one column, on the host: enough to cut and pad it without asking the device again.
-
-    ``lengths``: non-padding tokens per row (None when the features say nothing about padding);
-    ``ends``: padded layout, one past each row's last real token (the width that row needs);
-    ``right_padded``: every row starts at position 0, so padding can be added on the right;
-    ``bounds``: flattened layout, the token offsets of the rows (``cu_seq_lens_q``).
-    """
-
-    rows: int
-    lengths: np.ndarray | None = None
-    ends: np.ndarray | None = None
-    right_padded: bool = False
-    bounds: np.ndarray | None = None
-
-    @property
-    def flattened(self) -> bool:
-        return self.bounds is not None
-
-
-def layout_of(features: Features) -> ColumnLayout:
-    """The column's :class:`ColumnLayout`, from a single device-to-host copy."""
-    rows = batch_size_of(features)
-    if is_flattened(features):
-        bounds = features["cu_seq_lens_q"].detach().cpu().to(torch.int64).numpy()
-        return ColumnLayout(rows, lengths=np.diff(bounds), bounds=bounds)
-    mask = features.get("attention_mask")
-    if not isinstance(mask, Tensor) or mask.ndim != 2:
-        return ColumnLayout(rows)
-    active = mask.detach().bool()
-    width = active.shape[1]
-    positions = torch.arange(1, width + 1, device=active.device)
-    facts = torch.stack(
-        [
-            active.sum(dim=1),
-            (active * positions).amax(dim=1) if width else active.sum(dim=1),
-            # The first real token's position; an empty row counts as starting at 0.
-            torch.where(active.any(dim=1), active.to(torch.int8).argmax(dim=1), 0) if width else active.sum(dim=1),
-        ]
-    )
-    lengths, ends, starts = facts.cpu().numpy()
-    return ColumnLayout(rows, lengths=lengths, ends=ends, right_padded=not starts.any())
+from st_ext.losses.features import (  # noqa: F401  (ColumnLayout, layout_of: the plan's inputs, imported from here too)
+    BOUNDARY_KEYS,
+    MAX_LENGTH_KEYS,
+    ColumnLayout,
+    Features,
+    Ranges,
+    concat_slices,
+    layout_of,
+    slice_rows,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,9 +145,12 @@ def _segments(rows: list[tuple[int, int]]) -> MiniBatch:
 def can_merge(sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> bool:
     """Whether the columns can share forward passes without changing any row's result: the same keys,
     equal metadata (prompt lengths, task names), every tensor indexed by row (or by token when
-    flattened), and padding that can be extended on the right (or none)."""
+    flattened), and padding that can be extended on the right (or none). Media cut per image or patch
+    is embedded column by column, as upstream does: how a model batches images is its own."""
     first = sentence_features[0]
     if any(set(features) != set(first) for features in sentence_features[1:]):
+        return False
+    if any(layout.has_media_axes for layout in layouts):
         return False
     flattened = [layout.flattened for layout in layouts]
     if any(flattened) and not all(flattened):
@@ -232,93 +197,7 @@ def minibatch_features(sentence_features: Sequence[Features], plan: MiniBatchPla
         slice_rows(sentence_features[segment.column], segment.begin, segment.end, plan.layouts[segment.column])
         for segment in minibatch
     ]
-    if len(pieces) == 1:
-        return pieces[0]
-    if plan.layouts[minibatch[0].column].flattened:
-        return _concat_flattened(pieces)
-    return _concat_padded(pieces)
-
-
-def slice_rows(features: Features, begin: int, end: int, layout: ColumnLayout) -> Features:
-    """Rows ``begin:end`` of a column as a copy, cut with its host-side layout (no device synchronisation):
-    padded rows lose the trailing padding none of them needs; flattened rows get their boundaries,
-    row numbers and longest length rebuilt."""
-    if layout.flattened:
-        return _slice_flattened(features, begin, end, layout)
-    seq_len = width = None
-    mask = features.get("attention_mask")
-    if layout.ends is not None and isinstance(mask, Tensor):
-        seq_len = mask.shape[1]
-        width = int(layout.ends[begin:end].max()) if end > begin else 0
-    sliced = {}
-    for key, value in features.items():
-        if isinstance(value, Tensor) and value.ndim >= 1:
-            value = value[begin:end]
-            if width is not None and value.ndim >= 2 and value.shape[1] == seq_len:
-                value = value[:, :width]
-            value = value.clone()
-        sliced[key] = value
-    return sliced
-
-
-def _slice_flattened(features: Features, begin: int, end: int, layout: ColumnLayout) -> Features:
-    bounds = layout.bounds
-    first, last, total = int(bounds[begin]), int(bounds[end]), int(bounds[-1])
-    new_bounds = torch.from_numpy(bounds[begin : end + 1] - first)
-    sliced: Features = {}
-    for key, value in features.items():
-        if key in BOUNDARY_KEYS:
-            sliced[key] = new_bounds.to(device=value.device, dtype=value.dtype)
-        elif key in MAX_LENGTH_KEYS:
-            sliced[key] = int(layout.lengths[begin:end].max()) if end > begin else 0
-        elif key == "seq_idx":
-            sliced[key] = value[..., first:last] - begin
-        elif isinstance(value, Tensor) and value.ndim >= 1 and value.shape[-1] == total:
-            sliced[key] = value[..., first:last].clone()
-        else:
-            sliced[key] = value.clone() if isinstance(value, Tensor) else value
-    return sliced
-
-
-def _concat_padded(pieces: list[Features]) -> Features:
-    """Row-wise concatenation; a narrower piece's token-axis tensors are zero-padded on the right, where
-    its attention mask is 0."""
-    width = max(piece["attention_mask"].shape[1] for piece in pieces)
-
-    def padded(piece: Features, value: Tensor) -> Tensor:
-        own_width = piece["attention_mask"].shape[1]
-        if value.ndim < 2 or value.shape[1] != own_width or own_width == width:
-            return value
-        return F.pad(value, [0, 0] * (value.ndim - 2) + [0, width - own_width])
-
-    merged: Features = {}
-    for key, value in pieces[0].items():
-        if not isinstance(value, Tensor) or key == "prompt_length" or value.ndim == 0:
-            merged[key] = value
-        else:
-            merged[key] = torch.cat([padded(piece, piece[key]) for piece in pieces], dim=0)
-    return merged
-
-
-def _concat_flattened(pieces: list[Features]) -> Features:
-    """Token-wise concatenation: boundaries shifted by the tokens before, row numbers by the rows before."""
-    tokens = [piece["input_ids"].shape[-1] for piece in pieces]
-    token_offsets = np.cumsum([0, *tokens])
-    row_offsets = np.cumsum([0, *(piece["cu_seq_lens_q"].shape[0] - 1 for piece in pieces)])
-    merged: Features = {}
-    for key, value in pieces[0].items():
-        values = [piece[key] for piece in pieces]
-        if key in BOUNDARY_KEYS:
-            merged[key] = torch.cat([values[0], *(other[1:] + int(token_offsets[i]) for i, other in enumerate(values) if i)])
-        elif key in MAX_LENGTH_KEYS:
-            merged[key] = max(values)
-        elif key == "seq_idx":
-            merged[key] = torch.cat([other + int(row_offsets[i]) for i, other in enumerate(values)], dim=-1)
-        elif isinstance(value, Tensor) and value.ndim >= 1 and value.shape[-1] == tokens[0]:
-            merged[key] = torch.cat(values, dim=-1)
-        else:
-            merged[key] = value
-    return merged
+    return concat_slices(pieces, plan.layouts[minibatch[0].column])
 
 
 def split_rows(output: Tensor, minibatch: MiniBatch) -> list[Tensor]:
