@@ -82,6 +82,9 @@ CROSS_ENCODER_HAS_CHECKPOINTING = ST_VERSION >= Version("5.0.0")
 MARGIN_MSE_TAKES_MANY_NEGATIVES = ST_VERSION >= Version("5.0.0")
 
 #: transformers' own name for the checkpointing switch (transformers 5 deprecates the old one).
+#: Whether DDP's ``no_sync`` keeps track of the parameters a held backward used when it searches for
+#: unused ones (torch 2.4, pytorch PR #124193).
+DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS = Version(torch.__version__).release >= (2, 4)
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 
 #: The first sentence-transformers release of each archetype beyond SentenceTransformer and CrossEncoder.
@@ -283,6 +286,13 @@ def unwrapped_model(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             break
         model = inner
+    return model
+
+
+def compiled_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its private ``_orig_mod``), however often; else ``model``."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
     return model
 
 

@@ -13,6 +13,10 @@ re-entrant checkpointing with ``find_unused_parameters=True``.
 (see :func:`run_deepspeed_training` and :func:`run_guide_loaded_last`); ``fsdp2-train``: the training
 script under the Trainer's FSDP2 path (:func:`run_fsdp2_training`).
 
+``engine-parity`` mode: a cached step under DDP by st_ext's engine, by upstream's own cached loss and by
+the uncached loss, counting DDP's all-reductions; under ``static_graph=True``; and with a final mini-batch
+that no backward runs through (:func:`run_engine_parity`, for ``tests/test_engine_parity.py``).
+
 ``train`` mode: ordinary st_ext training scripts (:func:`train_sentence_transformer`,
 :func:`train_cross_encoder`), with no distributed code in them, run unchanged; each rank reports what
 its trainer did.
@@ -816,6 +820,126 @@ def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, froze
         report["offload_error"] = offload_refusal(model_dir, guide_dir, out_dir / "offload")
     save_report_and_close(out_dir, f"guide-{frozen_encoders}", report)
 
+# ---------------------------------------------------------------------------------------------
+# Engine parity with upstream's cached losses (tests/test_engine_parity.py)
+
+#: The losses each parity scenario runs: upstream's uncached loss (the reference), st_ext's cached loss
+#: and upstream's own cached loss, both at ``MINI_BATCH_SIZE`` (several mini-batches per column).
+PARITY_KINDS = ("plain", "st_ext", "upstream")
+#: Marks the column that :class:`DetachedColumn` embeds without a graph: a tensor with a row each, so every
+#: engine (upstream 4.1's slices every value) cuts it into mini-batches.
+FROZEN_COLUMN_KEY = "frozen_column"
+PARITY_STEPS = 2
+
+
+class DetachedColumn(nn.Module):
+    """A model's last module: the column whose features carry ``FROZEN_COLUMN_KEY`` comes out without a
+    graph, as a column routed through frozen weights (a frozen Router route) does. Given to the last
+    column, it makes a cached step's final mini-batch one that no backward runs through."""
+
+    def forward(self, features: dict) -> dict:
+        if FROZEN_COLUMN_KEY in features:
+            features["sentence_embedding"] = features["sentence_embedding"].detach()
+        return features
+
+
+def parity_loss(kind: str, model: nn.Module) -> nn.Module:
+    from st_ext import losses
+    from st_ext._compat import st_losses
+
+    if kind == "plain":
+        return st_losses().MultipleNegativesRankingLoss(model)
+    upstream = st_losses().CachedMultipleNegativesRankingLoss
+    cached = losses.CachedMultipleNegativesRankingLoss if kind == "st_ext" else upstream
+    return cached(model, mini_batch_size=MINI_BATCH_SIZE)
+
+
+def counted_reductions(ddp: nn.Module) -> list[int]:
+    """A one-element counter of the gradient buckets DDP all-reduces (its communication hook's calls)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    count = [0]
+
+    def hook(state, bucket):
+        count[0] += 1
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    return count
+
+
+def parity_run(kind: str, model_dir: Path, *, frozen_last: bool = False, static_graph: bool = False) -> list[dict]:
+    """``PARITY_STEPS`` DDP steps of the ``kind`` loss (the first only with ``frozen_last``); each record
+    holds the loss, how many buckets DDP all-reduced in the step, the gradients and the updated
+    parameters, or the error that stopped the step."""
+    rank = dist.get_rank()
+    model = load_model(model_dir)
+    if frozen_last:
+        model.append(DetachedColumn())
+    loss = parity_loss(kind, model)
+    engine = {"static_graph": True} if static_graph else {"find_unused_parameters": True}
+    ddp = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, **engine)
+    reductions = counted_reductions(ddp)
+    use_wrapped_model(loss, ddp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    records = []
+    for step in range(1 if frozen_last else PARITY_STEPS):
+        features = features_of(model, rank_share(global_batch(step), rank))
+        if frozen_last:
+            features[-1][FROZEN_COLUMN_KEY] = torch.ones(ROWS_PER_RANK, dtype=torch.bool)
+        reductions[0] = 0
+        try:
+            value = loss(features, None)
+            value.backward()
+        except Exception as error:  # the scenario records what upstream or st_ext raised
+            records.append({"error": f"{type(error).__name__}: {error}"})
+            break
+        record = {"loss": value.item(), "reductions": reductions[0]}
+        apply_update(model, optimizer, loss, record)
+        records.append(record)
+    return records
+
+
+def frozen_last_reference(model_dir: Path) -> list[dict]:
+    """The step :func:`parity_run` with ``frozen_last`` stands for, in this process without DDP: the mean of
+    the uncached loss's gradients over every rank's share (DDP's average), and the update it makes."""
+    model = load_model(model_dir)
+    model.append(DetachedColumn())
+    loss = parity_loss("plain", model)
+    grads: dict[str, torch.Tensor] = {}
+    for rank in range(WORLD_SIZE):
+        features = features_of(model, rank_share(global_batch(0), rank))
+        features[-1][FROZEN_COLUMN_KEY] = torch.ones(ROWS_PER_RANK, dtype=torch.bool)
+        loss(features, None).backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grads[name] = grads.get(name, 0) + p.grad / WORLD_SIZE
+        model.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        p.grad = grads.get(name)
+    record: dict = {}
+    apply_update(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE), loss, record)
+    return [record]
+
+
+def run_engine_parity(model_dir: Path, out_dir: Path) -> None:
+    """Every parity scenario on this rank, saved to ``parity-rank<rank>.pt``. A collective that one rank
+    skips fails after a minute instead of hanging; the frozen-last-column runs go last, since one that
+    leaves DDP's reducer mid-iteration is of no use to a later run."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {
+        "ddp": {kind: parity_run(kind, model_dir) for kind in PARITY_KINDS},
+        "static_graph": {kind: parity_run(kind, model_dir, static_graph=True) for kind in PARITY_KINDS},
+        "frozen_last": {
+            "reference": frozen_last_reference(model_dir),
+            **{kind: parity_run(kind, model_dir, frozen_last=True) for kind in PARITY_KINDS if kind != "plain"},
+        },
+    }
+    torch.save(results, out_dir / f"parity-rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -843,6 +967,9 @@ def main() -> None:
     fsdp_parser.add_argument("--model", type=Path, required=True)
     fsdp_parser.add_argument("--out", type=Path, required=True)
     fsdp_parser.add_argument("--route", choices=FSDP2_ROUTES, required=True)
+    parity_parser = sub.add_parser("engine-parity")
+    parity_parser.add_argument("--model", type=Path, required=True)
+    parity_parser.add_argument("--out", type=Path, required=True)
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -856,6 +983,8 @@ def main() -> None:
         run_deepspeed_training(args.model, args.out, args.stage)
     elif args.mode == "fsdp2-train":
         run_fsdp2_training(args.model, args.out, args.route)
+    elif args.mode == "engine-parity":
+        run_engine_parity(args.model, args.out)
     elif args.mode == "deepspeed-guide":
         run_guide_loaded_last(args.model, args.guide, args.out, args.frozen_encoders)
     else:

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
 from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
-from st_ext.losses.gradient_sync import gradient_sync
+from st_ext.losses.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     ColumnLayout,
     Features,
@@ -50,7 +50,7 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     layout_of,
     row_token_keys,
 )
-from st_ext.losses.minibatches import MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
+from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
 
 #: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
 Reps = list[list[Tensor]]
@@ -234,21 +234,36 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
     gradient-accumulation divisor), so every mini-batch receives it. Under a distributed engine only
-    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.losses.gradient_sync`).
+    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.losses.gradient_sync`). When
+    that one back-propagates nothing (its rows are frozen, e.g. a frozen route), the last mini-batch
+    that did is replayed once more with a zero gradient inside the reducing context, so the step
+    still reduces, once, on every rank.
     """
     last = len(replay.plan.minibatches) - 1
-    jobs = zip(replay.plan.minibatches, replay.rng_states, replay.grads)
+    jobs = list(zip(replay.plan.minibatches, replay.rng_states, replay.grads))
+    last_trained = None
     with torch.enable_grad(), _checkpointed(replay.model, replay.checkpointing):
-        for index, (minibatch, state, grads) in enumerate(
-            tqdm(list(jobs), desc="Backward mini-batches", disable=not replay.show_progress_bar)
-        ):
+        for index, job in enumerate(tqdm(jobs, desc="Backward mini-batches", disable=not replay.show_progress_bar)):
             with gradient_sync(replay.model, sync=index == last):
-                features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
-                with state.replay():
-                    outputs = replay.encoder(replay.model, features)
-                pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
-                if pairs:
-                    sum(_surrogate(out, grad) for out, grad in pairs).mul(grad_output).backward()
+                if _replay_minibatch(replay, *job, grad_output):
+                    last_trained = index
+        if last_trained is not None and last_trained != last:
+            with gradient_sync(replay.model, sync=True), without_forward_collectives(replay.model):
+                _replay_minibatch(replay, *jobs[last_trained], torch.zeros_like(grad_output))
+
+
+def _replay_minibatch(
+    replay: ReplayPlan, minibatch: MiniBatch, state: RngState, grads: list[Tensor | None], scale: Tensor
+) -> bool:
+    """Re-embed one mini-batch under its first pass's RNG state and back-propagate ``scale`` times its
+    cached gradients; False when none of its outputs needs a gradient."""
+    features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
+    with state.replay():
+        outputs = replay.encoder(replay.model, features)
+    pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
+    if pairs:
+        sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
+    return bool(pairs)
 
 
 def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:

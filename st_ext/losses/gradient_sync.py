@@ -6,6 +6,21 @@ once per mini-batch: DDP all-reduces every time (correct, and wasteful), FSDP2 r
 time, and DeepSpeed ZeRO stages 2 and 3 refuse a parameter's second reduction within a step
 ("Gradient computed twice for this partition"). Each engine has its own switch meaning "accumulate
 locally, reduce later"; this module is the one place that knows them.
+
+Two DDP settings change what holding means:
+
+* ``static_graph=True``: DDP learns the graph in its first iteration and needs that iteration's first
+  backward to reduce. Until it has (``_static_graph_delay_allreduce_enqueued``), a mini-batch reduces,
+  even inside an outer ``no_sync``; without this, DDP fails an internal assertion
+  (``expect_autograd_hooks_``) at the end of the first held backward.
+* ``find_unused_parameters=True`` on torch before 2.4: DDP's unused-parameter search ignored what a
+  backward inside ``no_sync`` used (pytorch PR #124193), so a parameter used by a held mini-batch and
+  not by the last one was never reduced and the ranks' weights parted. There every mini-batch reduces:
+  slower, and correct, since each reduction averages gradients the ranks already agree on plus the
+  mini-batch's own.
+
+A model compiled with ``torch.compile`` (accelerate compiles the DDP or FSDP2 module itself) is looked
+through: its ``_orig_mod`` is the engine's module.
 """
 
 from __future__ import annotations
@@ -17,7 +32,8 @@ from typing import ContextManager, Iterator
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from st_ext._compat import fsdp2_module_class
+from st_ext import _compat
+from st_ext._compat import compiled_module, fsdp2_module_class
 
 #: The parameter attribute DeepSpeed ZeRO (0.17 and later) reads before queueing a gradient for
 #: reduction: while it is False the gradient accumulates in ``.grad`` and is not reduced.
@@ -28,16 +44,53 @@ def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
     """Backward passes inside this context reduce gradients across ranks only if ``sync``.
 
     With ``sync=False`` gradients accumulate on the rank; the first backward with ``sync=True``
-    reduces everything accumulated so far, so a step reduces once whatever its mini-batch count.
+    reduces everything accumulated so far, so a step reduces once whatever its mini-batch count
+    (DDP's exceptions, static graphs and torch < 2.4, are in the module docstring).
     """
+    model = compiled_module(model)
     if isinstance(model, DistributedDataParallel):
-        return nullcontext() if sync else model.no_sync()
+        return _ddp_gradient_sync(model, sync)
     fsdp_module = fsdp2_module_class()
     if fsdp_module is not None and isinstance(model, fsdp_module):
         return _fsdp2_gradient_sync(model, sync)
     if deepspeed_in_use():
         return _deepspeed_gradient_sync(model, sync)
     return nullcontext()
+
+
+def _ddp_gradient_sync(model: DistributedDataParallel, sync: bool) -> ContextManager[None]:
+    if getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True):
+        return _ddp_forced_sync(model)
+    if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
+        return nullcontext()
+    return model.no_sync()
+
+
+@contextmanager
+def _ddp_forced_sync(model: DistributedDataParallel) -> Iterator[None]:
+    """Reduce in this backward even inside an outer ``no_sync``: static-graph DDP's first iteration."""
+    before = model.require_backward_grad_sync
+    model.require_backward_grad_sync = True
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync = before
+
+
+@contextmanager
+def without_forward_collectives(model: nn.Module) -> Iterator[None]:
+    """A forward pass that only this rank runs: DDP skips its buffer broadcast before it (a collective the
+    other ranks would not join)."""
+    model = compiled_module(model)
+    if not isinstance(model, DistributedDataParallel):
+        yield
+        return
+    before = model.require_forward_param_sync
+    model.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        model.require_forward_param_sync = before
 
 
 def parameters_sharded(model: nn.Module) -> bool:
