@@ -13,7 +13,7 @@ from datasets import Dataset
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
-from st_ext.losses.features import batch_size_of, is_flattened, layout_of, row_token_keys, select_rows, slice_rows, to_padded
+from st_ext.losses.features import batch_size_of, is_flattened, layout_of, row_keys, select_rows, slice_rows, to_padded
 from st_ext.losses.minibatches import plan_minibatches
 from st_ext.losses.frozen_encoders import combined_row_keys, decoded_texts
 from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
@@ -72,7 +72,7 @@ def test_rows_slices_and_keys_match_the_padded_layout(model, flat_model):
     flat = preprocess(flat_model, SENTENCES)
     padded = preprocess(model, SENTENCES)
     assert batch_size_of(flat) == batch_size_of(padded) == len(SENTENCES)
-    assert row_token_keys(flat) == row_token_keys(padded)
+    assert row_keys(flat) == row_keys(padded)
     assert combined_row_keys([flat, flat]) == combined_row_keys([padded, padded])
     assert torch.equal(document_keys(flat), document_keys(padded))
     assert decoded_texts(flat, model.tokenizer) == decoded_texts(padded, model.tokenizer)

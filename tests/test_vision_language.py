@@ -23,7 +23,7 @@ if not hasattr(st_modules().Transformer, "modalities"):
 
 from st_ext import SentenceTransformer, losses  # noqa: E402
 from st_ext._compat import HAS_MULTI_VECTOR_ENCODER, preprocess, st_losses  # noqa: E402
-from loss_checks import assert_losses_agree, random_texts  # noqa: E402
+from loss_checks import assert_losses_agree, features_of, random_texts  # noqa: E402
 from tiny_vlm import (  # noqa: E402
     MERGE_SIZE,
     PATCH_SIZE,
@@ -239,3 +239,32 @@ def test_auto_probe_rows_keep_their_images(vlm):
     loss = losses.CachedMultipleNegativesRankingLoss(vlm, mini_batch_size="auto", memory_budget_mb=1)
     assert_losses_agree(vlm, loss, upstream.MultipleNegativesRankingLoss(vlm), columns, train=True)
     assert {1, 2, 4} <= set(loss.auto_mini_batch.choice.tried), "the probe measured rows picked out of order"
+
+
+def test_rows_with_the_same_text_and_other_images_get_other_keys(vlm, clip):
+    """Cross-batch memory and precomputed tables key rows by content: images are part of it."""
+    from st_ext.losses.features import row_keys
+
+    same, other = noise_image(16, 16, 1), noise_image(16, 16, 2)
+    rows = [{"text": "a cat", "image": same}, {"text": "a cat", "image": other}, {"text": "a cat", "image": same}]
+    keys = row_keys(preprocess(vlm, rows))
+    assert keys[0] == keys[2] and keys[0] != keys[1]
+    clip_keys = row_keys(preprocess(clip, [same, other, same]))
+    assert clip_keys[0] == clip_keys[2] and clip_keys[0] != clip_keys[1]
+
+
+def test_cross_batch_memory_over_the_cached_loss_matches_over_the_uncached_one(vlm):
+    """Cross-batch memory cuts and keys image rows as the cached loss does: the same values and gradients
+    as over the uncached loss, with a queue filled by earlier image batches."""
+    from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+
+    def filled(inner):
+        memory = CrossBatchMemoryLoss(vlm, inner, memory_size=32)
+        memory(features_of(vlm, vlm_columns(2)), None).backward()
+        vlm.zero_grad(set_to_none=True)
+        return memory
+
+    cached = filled(losses.CachedMultipleNegativesRankingLoss(vlm, mini_batch_size=MINI_BATCH))
+    reference = filled(upstream.MultipleNegativesRankingLoss(vlm))
+    assert len(cached.memory_embeddings) == BATCH
+    assert_losses_agree(vlm, cached, reference, vlm_columns(3), train=True)

@@ -62,7 +62,7 @@ from st_ext.losses.gradcache import (
     batch_size_of,
     chunked_rows,
     gradcache_forward,
-    row_token_keys,
+    row_keys,
 )
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
@@ -184,7 +184,7 @@ def document_keys(features: Features) -> Tensor:
         return torch.full((batch_size_of(features),), UNKNOWN_KEY, dtype=torch.int64, device=device)
     keys = [
         int.from_bytes(hashlib.blake2b(row_key, digest_size=8).digest(), "little") >> 1
-        for row_key in row_token_keys(features)
+        for row_key in row_keys(features)
     ]
     return torch.tensor(keys, dtype=torch.int64, device=input_ids.device)
 

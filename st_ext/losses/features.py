@@ -29,6 +29,7 @@ zeroes prompt positions in the mask it is given) cannot change what a later pass
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -359,10 +360,29 @@ def row_token_ids(features: Features) -> list[np.ndarray]:
     return [ids[keep] for ids, keep in zip(input_ids, mask.detach().cpu().bool().numpy())]
 
 
-def row_token_keys(features: Features) -> list[bytes]:
+def row_keys(features: Features) -> list[bytes]:
     """One key per row: its non-padding token ids, so the same text has the same key in either layout
-    and at any padding."""
-    return [ids.tobytes() for ids in row_token_ids(features)]
+    and at any padding, and a digest of the row's own images and videos, if it has any (two images of
+    one size give the same placeholder tokens, so the ids alone would take one image for the other)."""
+    if "input_ids" in features:
+        keys = [ids.tobytes() for ids in row_token_ids(features)]
+    else:
+        keys = [b""] * batch_size_of(features)
+    media = [key for key in features if _is_media_key(key) and isinstance(features[key], Tensor)]
+    if not media:
+        return keys
+    layout = layout_of(features)
+    for key in media:
+        offsets = layout.offsets[layout.cuts[key]] if layout.cuts[key] != SHARED else None
+        if offsets is None:
+            continue
+        values = features[key].detach().cpu().contiguous()
+        raw = values.reshape(values.shape[0], -1).view(torch.uint8).numpy() if values.numel() else None
+        for row in range(layout.rows):
+            begin, end = offsets[row], offsets[row + 1]
+            digest = hashlib.blake2b(raw[begin:end].tobytes() if raw is not None else b"", digest_size=16)
+            keys[row] += key.encode() + digest.digest()
+    return keys
 
 
 def to_padded(features: Features, pad_token_id: int = 0) -> Features:

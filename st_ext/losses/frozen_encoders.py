@@ -25,7 +25,7 @@ from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses imp
     Features,
     reads_flattened,
     row_token_ids,
-    row_token_keys,
+    row_keys,
     select_rows,
     to_padded,
 )
@@ -146,7 +146,7 @@ def claim_new_keys(keys: dict[bytes, int], batch_keys: Sequence[bytes]) -> list[
 
 def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:
     """One key per row over every column: the rows' token ids, each column's length-prefixed."""
-    per_column = [row_token_keys(features) for features in sentence_features]
+    per_column = [row_keys(features) for features in sentence_features]
     return [b"".join(len(key).to_bytes(4, "little") + key for key in row) for row in zip(*per_column)]
 
 

@@ -52,7 +52,7 @@ from st_ext.losses.gradcache import (
     chunked_rows,
     embeds_with_static_embedding,
     gradcache_forward,
-    row_token_keys,
+    row_keys,
     validate_mini_batching,
 )
 from st_ext.losses.auto_mini_batch import auto_state
@@ -107,7 +107,7 @@ class GuideEmbeddings(KeyedRows):
     """
 
     #: A column's rows, each keyed by its own token ids.
-    keys_of = staticmethod(row_token_keys)
+    keys_of = staticmethod(row_keys)
 
     @property
     def embeddings(self) -> Tensor:

@@ -48,7 +48,7 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     UnsliceableFeatureError,
     batch_size_of,
     layout_of,
-    row_token_keys,
+    row_keys,
 )
 from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
 
