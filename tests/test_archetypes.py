@@ -16,6 +16,7 @@ import inspect
 import logging
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import sentence_transformers
@@ -288,10 +289,29 @@ def spy_on_switches(model) -> list[str]:
     return calls
 
 
+#: The installed package's own folder: a warning is st_ext's when its file lies inside it (a clone or a
+#: virtual environment may well sit in a folder named st_ext too).
+ST_EXT_PACKAGE_DIR = Path(st_ext.__file__).resolve().parent
+
+
+def is_st_ext_file(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(ST_EXT_PACKAGE_DIR)
+
+
+def test_a_warning_is_st_exts_by_the_packages_location_not_a_folder_name(tmp_path):
+    """A clone in a folder named st_ext keeps its virtual environment inside it: transformers' files there
+    are not st_ext's."""
+    clone_venv_file = tmp_path / "st_ext" / ".venv" / "lib" / "site-packages" / "transformers" / "training_args.py"
+    assert not is_st_ext_file(str(clone_venv_file))
+    assert is_st_ext_file(checkpointing.__file__)
+    message = f"FutureWarning ({clone_venv_file}): `evaluation_strategy` is deprecated"
+    assert st_ext_made([message]) == []
+
+
 def st_ext_made(messages: list[str]) -> list[str]:
     """Deprecations of transformers' v6 names, and any deprecation warning attributed to st_ext's own files."""
-    deprecation = ("DeprecationWarning (", "FutureWarning (")
-    from_st_ext = [m for m in messages if m.startswith(deprecation) and "/st_ext/" in m.split(":")[0]]
+    deprecation = re.compile(r"^(?:DeprecationWarning|FutureWarning) \((?P<file>.*?)\): ")
+    from_st_ext = [m for m in messages if (found := deprecation.match(m)) and is_st_ext_file(found["file"])]
     return [m for m in messages if V6_DEPRECATION.search(m)] + from_st_ext
 
 

@@ -554,3 +554,16 @@ def test_distillation_card_lists_the_wrapped_loss_and_only_the_options_in_use(mo
     offloaded_teacher = guide_from(guide_dir)
     offloaded = losses.DistillationLoss(upstream.MarginMSELoss(model), offloaded_teacher, offload_teacher=True)
     assert offloaded.get_config_dict() == {**resident, "teacher": offloaded_teacher, "offload_teacher": True}
+
+
+@pytest.mark.parametrize("dims", [[32, 16.5], [32.0, 16], [True, 16], ["32", 16]])
+@pytest.mark.parametrize("inner", ["cached", "plain"])
+def test_matryoshka_refuses_dimensions_that_are_not_integers_at_construction(model, dims, inner):
+    """Upstream accepts them and fails at the first step; st_ext refuses them where the mistake is."""
+    loss = (
+        losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+        if inner == "cached"
+        else upstream.MultipleNegativesRankingLoss(model)
+    )
+    with pytest.raises(ValueError, match=r"matryoshka_dims must be integers, got .* at position"):
+        losses.MatryoshkaLoss(model, loss, dims)

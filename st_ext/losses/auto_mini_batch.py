@@ -143,7 +143,7 @@ class AutoMiniBatch:
             raise BudgetTooSmallError(
                 f"mini_batch_size='auto': the optimizer's update alone (gradients, the states its first step "
                 f"allocates, temporaries) needs {_mib(update)}, above the {_mib(budget)} budget. Raise "
-                "memory_budget_mb, or choose a lighter optimizer (--optim)."
+                "memory_budget_mb, or choose a lighter optimizer (the training arguments' optim, e.g. 'adafactor')."
             )
         series = _Series(model, sentence_features, layouts, rows, budget, device, update_bytes=update)
         plain = series.largest_fitting(1)

@@ -24,6 +24,7 @@ layers (:mod:`st_ext.losses.adaptive_layer`), drawing each layer's dimensions he
 from __future__ import annotations
 
 import inspect
+import numbers
 import random
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -162,6 +163,7 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         n_dims_per_step: int = -1,
     ) -> None:
         _check_inner_loss(model, loss)
+        _check_dims(matryoshka_dims)
         self._on_st_ext_engine = cached_loss_view(loss) is not None or _is_cached_memory(loss)
         if not self._on_st_ext_engine:
             # Upstream's wrapper, whole: its own forward reads the uses_gradient_cache it sets (6.x).
@@ -208,6 +210,17 @@ def _check_inner_loss(model: nn.Module, loss: Any) -> None:
             f"The wrapped {type(loss).__name__} was built for another model than the one MatryoshkaLoss truncates; "
             "build both with the same model."
         )
+
+
+def _check_dims(dims: Sequence[int]) -> None:
+    """Refuse at construction a dimension that is not a whole number: upstream accepts it and fails at the
+    first step, when the embeddings are sliced (zero, negative and too large ones upstream refuses itself)."""
+    for index, dim in enumerate(dims):
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise ValueError(
+                f"matryoshka_dims must be integers, got {dim!r} at position {index}; "
+                "pass whole numbers of embedding dimensions, e.g. [768, 512, 256]."
+            )
 
 
 def _is_cached_memory(loss: nn.Module) -> bool:

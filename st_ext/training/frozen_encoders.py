@@ -61,7 +61,12 @@ def require_resident(mode: str, trainer_name: str) -> str:
 
 def each_loss(loss: Any) -> list[Any]:
     """A trainer's losses: its one loss, or each loss of its dict (one per dataset)."""
-    return list(loss.values()) if isinstance(loss, dict) else [loss]
+    return [item for _, item in named_losses(loss)]
+
+
+def named_losses(loss: Any) -> list[tuple[str, Any]]:
+    """``(dataset name, loss)`` for each loss of a trainer's dict, or ``("", loss)`` for its one loss."""
+    return list(loss.items()) if isinstance(loss, dict) else [("", loss)]
 
 
 def loss_modules(loss: Any) -> list[nn.Module]:
