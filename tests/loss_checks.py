@@ -38,15 +38,17 @@ def features_of(model, columns: list[list[str]]) -> list[dict]:
     return [preprocess(model, column) for column in columns]
 
 
-def loss_and_grads(model, loss, columns, *, train: bool, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    model, loss, columns, *, train: bool, seed: int = 1, featurize=features_of
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss value and every parameter's gradient after one forward and backward from a fixed RNG.
 
     Non-cached upstream references embed one column per forward pass, the order cached losses replay,
-    so that with dropout on both draw the same masks.
+    so that with dropout on both draw the same masks. ``featurize(model, columns)`` tokenizes the batch.
     """
     model.zero_grad(set_to_none=True)
     model.train(train)
-    features = features_of(model, columns)
+    features = featurize(model, columns)
     torch.manual_seed(seed)
     random.seed(seed)
     with separate_column_forwards():

@@ -167,9 +167,8 @@ def test_an_override_on_st_exts_own_gist_is_refused(model, guide):
         def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
             raise AssertionError("not reached")
 
-    loss = Projecting(model, guide, mini_batch_size=MINI_BATCH)
     with pytest.raises(ValueError, match=r"Projecting overrides embed_minibatch.*Subclass sentence_transformers'"):
-        upstream_hook_overrides(loss, upstream.CachedGISTEmbedLoss)
+        Projecting(model, guide, mini_batch_size=MINI_BATCH)
     assert upstream_hook_overrides(losses.CachedGISTEmbedLoss(model, guide), upstream.CachedGISTEmbedLoss) == ()
 
 

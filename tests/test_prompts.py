@@ -1,11 +1,17 @@
-"""Prompts excluded from pooling: cached losses give the non-cached loss, whatever a module edits in place.
+"""Prompts excluded from pooling: every loss and wrapper gives upstream's non-cached loss, whatever a module edits in place.
 
 sentence-transformers 4.x's ``Pooling(include_prompt=False)`` zeroes the prompt positions of the
-attention mask it is given, in place. A cached loss embeds every row twice; if its mini-batches shared
-memory with the batch, the second pass would see the mask the first pass zeroed and attend differently.
+attention mask it is given, in place. Features get read more than once: a cached loss embeds every
+row twice, a GIST loss embeds it with the model and with the guide, and upstream's Matryoshka and
+layer-wise wrappers call a non-cached loss once per dimension or layer on the same features. Any of
+those readers that shared memory with what the model was given would see the mask it zeroed.
 """
 
 from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from functools import partial
 
 import pytest
 import torch
@@ -13,13 +19,17 @@ import torch
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses, st_modules
 from st_ext.models import SentenceTransformer
-from loss_checks import assert_same_grads, guide_from, text_columns
+from loss_checks import assert_same_grads, guide_from, loss_and_grads, text_columns
 
+pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 upstream = st_losses()
 #: 4.x's Pooling zeroes the prompt positions of the caller's attention mask; later releases copy it first.
 POOLING_EDITS_MASK_IN_PLACE = not hasattr(st_modules().Pooling, "_exclude_prompt_from_mask")
 PROMPT = "query for the answer "
-BATCH = 6
+#: Five rows in mini-batches of two: some mini-batches hold the end of one column and the start of the next.
+BATCH = 5
+MINI_BATCH = 2
+DIMS = [32, 8]
 
 
 @pytest.fixture
@@ -28,6 +38,11 @@ def prompt_model(tiny_bert_dir):
     transformer = modules.Transformer(str(tiny_bert_dir), max_seq_length=32)
     pooling = modules.Pooling(transformer.auto_model.config.hidden_size, pooling_mode="mean", include_prompt=False)
     return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_guide(guide_dir):
+    return guide_from(guide_dir)
 
 
 def prompted_features(model, columns):
@@ -41,47 +56,134 @@ def prompted_features(model, columns):
     return features
 
 
-def step(model, loss, columns):
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    value = loss(prompted_features(model, columns), None)
-    value.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return value.detach(), grads
+#: One forward and backward of a loss on a prompted batch, dropout off, Python's and torch's RNG seeded
+#: (so that layer-wise wrappers draw the same layers and dimensions for the loss and its reference).
+step = partial(loss_and_grads, train=False, featurize=prompted_features)
 
 
-@pytest.mark.parametrize("mini_batch_size", [1, 4])
-def test_cached_gist_with_prompt_equals_gist(prompt_model, guide_dir, mini_batch_size):
-    """The guide embeds the prompted rows as given. Upstream's 4.x GIST losses run the guide on the dict
-    the model's Pooling already edited, so there its guide also drops the prompt (see the README's
-    differences); from 5.x on upstream's non-cached loss is the reference itself."""
-    columns = text_columns(BATCH, 2)
-    guide = guide_from(guide_dir)
-    cached = losses.CachedGISTEmbedLoss(prompt_model, guide, mini_batch_size=mini_batch_size)
-    expected = step(prompt_model, losses.GISTEmbedLoss(prompt_model, guide), columns)
-    assert_same_grads(step(prompt_model, cached, columns), expected)
-    if POOLING_EDITS_MASK_IN_PLACE:
-        leaky = step(prompt_model, upstream.GISTEmbedLoss(prompt_model, guide), columns)
-        assert not torch.isclose(leaky[0], expected[0], rtol=1e-4)
-    else:
-        assert_same_grads(step(prompt_model, upstream.GISTEmbedLoss(prompt_model, guide), columns), expected)
+@contextmanager
+def prompt_excluded_from_a_copy(model):
+    """Upstream's non-cached losses as 5.x and later run them: ``Pooling`` drops the prompt from a copy of
+    the mask. On 4.x it zeroes the caller's mask, which its ``GISTEmbedLoss`` then hands the guide
+    (st_ext's guide sees the prompt, as 5.x's does: see the README's differences). Elsewhere a no-op."""
+    if not POOLING_EDITS_MASK_IN_PLACE:
+        yield
+        return
+    pooling = model[1]
+    pool = pooling.forward
+
+    def forward(features):
+        pooled = pool({**features, "attention_mask": features["attention_mask"].clone()})
+        features.update((key, value) for key, value in pooled.items() if key != "attention_mask")
+        return features
+
+    pooling.forward = forward
+    try:
+        yield
+    finally:
+        del pooling.forward
 
 
-def test_cached_matryoshka_with_prompt_equals_non_cached(prompt_model):
+def reference_step(model, loss, columns, **kwargs):
+    with prompt_excluded_from_a_copy(model):
+        return step(model, loss, columns, **kwargs)
+
+
+LOSSES = {
+    # name: (st_ext's loss, upstream's non-cached reference, number of columns)
+    "cached-mnrl": (
+        lambda m, g: losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size=MINI_BATCH),
+        lambda m, g: upstream.MultipleNegativesRankingLoss(m),
+        3,
+    ),
+    # Mini-batches of a whole column: 4.x's cached symmetric loss ranks the documents-to-query direction
+    # within each mini-batch of anchors (and back-propagates every mini-batch's mean unweighted), so only
+    # with one mini-batch of anchors is it the non-cached loss. GradCache still embeds in two passes.
+    "cached-symmetric": (
+        lambda m, g: losses.CachedMultipleNegativesSymmetricRankingLoss(m, mini_batch_size=BATCH),
+        lambda m, g: upstream.MultipleNegativesSymmetricRankingLoss(m),
+        2,
+    ),
+    "cached-gist": (
+        lambda m, g: losses.CachedGISTEmbedLoss(m, g, mini_batch_size=MINI_BATCH),
+        lambda m, g: upstream.GISTEmbedLoss(m, g),
+        3,
+    ),
+    "gist": (lambda m, g: losses.GISTEmbedLoss(m, g), lambda m, g: upstream.GISTEmbedLoss(m, g), 3),
+}
+WRAPPERS = {
+    # name: wrap(module, model, loss), with module st_ext's losses or upstream's. The tiny model has two
+    # layers, so the layer-wise wrappers always train the single prior one; Matryoshka2dLoss draws one
+    # dimension per layer from the seeded RNG, in upstream's order.
+    "bare": lambda module, m, loss: loss,
+    "matryoshka": lambda module, m, loss: module.MatryoshkaLoss(m, loss, DIMS),
+    "matryoshka-2d": lambda module, m, loss: module.Matryoshka2dLoss(m, loss, DIMS),
+    "adaptive-layer": lambda module, m, loss: module.AdaptiveLayerLoss(m, loss),
+}
+
+
+@pytest.mark.parametrize("wrapper, loss", list(itertools.product(WRAPPERS, LOSSES)))
+def test_prompted_loss_equals_upstream_non_cached(prompt_model, prompt_guide, wrapper, loss):
+    ours, reference, num_columns = LOSSES[loss]
+    wrap = WRAPPERS[wrapper]
+    columns = text_columns(BATCH, num_columns)
+    expected = reference_step(prompt_model, wrap(upstream, prompt_model, reference(prompt_model, prompt_guide)), columns)
+    actual = step(prompt_model, wrap(losses, prompt_model, ours(prompt_model, prompt_guide)), columns)
+    assert_same_grads(actual, expected)
+
+
+def test_prompted_cross_batch_memory_equals_non_cached(prompt_model):
+    """The queue filled by one prompted batch, then a second batch against it: the cached ranking loss (the
+    one cached loss the memory takes) gives the memory around upstream's non-cached one."""
+    first, second = text_columns(BATCH, 2, seed=1), text_columns(BATCH, 2, seed=2)
+    results = []
+    for run, inner in [
+        (step, losses.CachedMultipleNegativesRankingLoss(prompt_model, mini_batch_size=MINI_BATCH)),
+        (reference_step, upstream.MultipleNegativesRankingLoss(prompt_model)),
+    ]:
+        memory = losses.CrossBatchMemoryLoss(prompt_model, inner, memory_size=4 * BATCH)
+        run(prompt_model, memory, first)
+        results.append(run(prompt_model, memory, second))
+    assert_same_grads(*results)
+
+
+def test_cached_matryoshka_over_upstreams_cached_loss(prompt_model):
     columns = text_columns(BATCH, 3)
-    dims = [32, 8]
     cached = losses.MatryoshkaLoss(
-        prompt_model, upstream.CachedMultipleNegativesRankingLoss(prompt_model, mini_batch_size=2), dims
+        prompt_model, upstream.CachedMultipleNegativesRankingLoss(prompt_model, mini_batch_size=MINI_BATCH), DIMS
     )
-    reference = upstream.MatryoshkaLoss(prompt_model, upstream.MultipleNegativesRankingLoss(prompt_model), dims)
-    assert_same_grads(step(prompt_model, cached, columns), step(prompt_model, reference, columns))
+    reference = upstream.MatryoshkaLoss(prompt_model, upstream.MultipleNegativesRankingLoss(prompt_model), DIMS)
+    assert_same_grads(step(prompt_model, cached, columns), reference_step(prompt_model, reference, columns))
 
 
-def test_the_prompt_changes_the_loss(prompt_model, guide_dir):
+def test_upstreams_4x_guide_loses_the_prompt(prompt_model, prompt_guide):
+    """Upstream's 4.x GIST losses run the guide on the dict the model's Pooling already edited, so their
+    guide drops the prompt too; from 5.x on upstream's loss is the reference as it stands."""
+    columns = text_columns(BATCH, 2)
+    loss = upstream.GISTEmbedLoss(prompt_model, prompt_guide)
+    as_released = step(prompt_model, loss, columns)
+    if POOLING_EDITS_MASK_IN_PLACE:
+        assert not torch.isclose(as_released[0], reference_step(prompt_model, loss, columns)[0], rtol=1e-4)
+    else:
+        assert_same_grads(as_released, reference_step(prompt_model, loss, columns))
+
+
+def test_the_prompt_changes_the_loss(prompt_model, prompt_guide):
     """Without this the tests above would pass on a model that ignores the prompt setting."""
     columns = text_columns(BATCH, 2)
-    loss = upstream.GISTEmbedLoss(prompt_model, guide_from(guide_dir))
+    loss = losses.GISTEmbedLoss(prompt_model, prompt_guide)
     with_prompt, _ = step(prompt_model, loss, columns)
     prompt_model[1].include_prompt = True
     without_exclusion, _ = step(prompt_model, loss, columns)
     assert not torch.isclose(with_prompt, without_exclusion, rtol=1e-4)
+
+
+def test_a_distillation_teacher_reads_the_collators_rows_at_every_call(prompt_model, prompt_guide):
+    """A wrapper calls a non-cached loss once per dimension or layer on the same features: the teacher
+    must label the rows the collator made every time, not the mask the model's Pooling edited."""
+    loss = losses.DistillationLoss(upstream.MSELoss(prompt_model), prompt_guide)
+    features = prompted_features(prompt_model, text_columns(BATCH, 1))
+    prompt_model.eval()
+    with torch.no_grad():
+        first, second = loss(features, None), loss(features, None)
+    torch.testing.assert_close(first, second)

@@ -44,6 +44,7 @@ from st_ext.losses.frozen_encoders import (
     embed_frozen,
     features_device,
     frozen_placement,
+    inputs_kept,
     module_device,
     retokenizer_for,
     shares_parameters,
@@ -294,7 +295,9 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
                 f"{type(self.loss).__name__} to train on the dataset's labels."
             )
         _check_columns(self.kind, len(sentence_features))
-        return self.loss(sentence_features, self.teacher_outputs(sentence_features))
+        labels = self.teacher_outputs(sentence_features)
+        with inputs_kept(sentence_features):
+            return self.loss(sentence_features, labels)
 
     def teacher_outputs(self, sentence_features: list[Features]) -> Tensor:
         """The batch's labels: from the table when it holds every row, else from the live teacher."""

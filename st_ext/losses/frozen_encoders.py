@@ -10,8 +10,8 @@ or the data collator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
@@ -90,6 +90,37 @@ def embed_frozen(
     }
     with torch.no_grad():
         return encoder(features)["sentence_embedding"].to(device)
+
+
+@contextmanager
+def inputs_kept(sentence_features: Sequence[Features]) -> Iterator[None]:
+    """Within the block, each column's integer tensors (the data collator's token ids, masks and lengths)
+    are copies; after it, the originals again, as the collator made them.
+
+    A loss with a frozen encoder reads the same features twice, once per encoder, and a wrapper may
+    hand it the same features again: upstream's ``MatryoshkaLoss``, ``AdaptiveLayerLoss`` and
+    ``Matryoshka2dLoss`` call a non-cached loss once per dimension or layer. The model's modules may
+    edit their inputs in place (sentence-transformers 4.x's ``Pooling(include_prompt=False)`` zeroes the
+    prompt positions of the attention mask), so the model runs inside this block: every call's frozen
+    encoder, and a table lookup keyed by the non-padding token ids, then read the rows the collator
+    made. The model still runs on the caller's dicts, because wrappers read its outputs from there
+    (6.x's ``AdaptiveLayerLoss`` passes every layer's embeddings between calls that way); float
+    tensors (outputs an earlier call left there, media) are not copied.
+    """
+    swapped = []
+    for features in sentence_features:
+        originals = {
+            key: value
+            for key, value in features.items()
+            if isinstance(value, Tensor) and not value.is_floating_point() and not value.is_complex()
+        }
+        features.update({key: value.clone() for key, value in originals.items()})
+        swapped.append((features, originals))
+    try:
+        yield
+    finally:
+        for features, originals in reversed(swapped):
+            features.update(originals)
 
 
 def shares_parameters(first: nn.Module, second: nn.Module) -> bool:

@@ -39,6 +39,7 @@ from st_ext.losses.frozen_encoders import (
     embed_frozen,
     features_device,
     frozen_placement,
+    inputs_kept,
     retokenizer_for,
     select_rows,
     shares_parameters,
@@ -56,7 +57,8 @@ from st_ext.losses.gradcache import (
     validate_mini_batching,
 )
 from st_ext.losses.auto_mini_batch import auto_state
-from st_ext.losses.minibatches import layout_of, slice_rows
+from st_ext.losses.features import layout_of, slice_rows
+from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()
 
@@ -502,6 +504,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
+        upstream_hook_overrides(self, _upstream.CachedGISTEmbedLoss)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         return gradcache_forward(self, sentence_features, labels)
@@ -605,11 +608,12 @@ class GISTEmbedLoss(GuidedLoss):
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        # The guide first, on its own copy: the model's modules may edit the features in place (4.x's
-        # Pooling zeroes prompt positions of the mask), which the guide must not see.
+        # The model's modules may edit its inputs in place (4.x's Pooling zeroes prompt positions of the
+        # mask); a wrapper that calls again with the same features must find them as the collator made them.
         whole_batch = [[(0, batch_size_of(features))] for features in sentence_features]
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
-        reps = [[self.model(dict(features))["sentence_embedding"]] for features in sentence_features]
+        with inputs_kept(sentence_features):
+            reps = [[self.model(features)["sentence_embedding"]] for features in sentence_features]
         return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
 
 
