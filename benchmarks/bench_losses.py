@@ -130,8 +130,11 @@ def budget_table(what: str, non_cached: Callable, cached: Callable, model, args,
         print(f"  {label}: {largest_batch(model, make_loss, budget, args.max_batch, device)}", flush=True)
 
 
-def parse_args(description: str, *, batch_size: int, mini_batch_size: int, max_batch: int) -> argparse.Namespace:
-    """The options of the loss benchmarks, with the batch sizes checked against the built-in pairs."""
+def parse_args(
+    description: str, *, batch_size: int, mini_batch_size: int, max_batch: int, argv: list[str] | None = None
+) -> argparse.Namespace:
+    """The options of the loss benchmarks (from ``argv``, default the command line), with the batch sizes
+    checked against the built-in pairs."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--mini-batch-size", type=int, default=mini_batch_size)
@@ -142,7 +145,8 @@ def parse_args(description: str, *, batch_size: int, mini_batch_size: int, max_b
     parser.add_argument("--budget-mib", type=float, default=None, help="explicit budget (overrides --budget-batch)")
     parser.add_argument("--max-batch", type=int, default=max_batch)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch's choice)")
-    args = parser.parse_args()
+    parser.add_argument("--model", default=None, help="a SentenceTransformer directory (default: all-MiniLM-L6-v2)")
+    args = parser.parse_args(argv)
     available = len(stdlib_pairs())
     for flag in ("batch_size", "budget_batch", "max_batch"):
         value = getattr(args, flag)

@@ -20,6 +20,11 @@ elements (40 MB each in fp32). Time is the median step after the first.
 
     python benchmarks/bench_sharded.py                        # about 5 minutes on a 2-core CPU
     python benchmarks/bench_sharded.py --cuda --layers 24 --hidden 1024 --batch-size 64 --mini-batch-size 16
+    python benchmarks/bench_sharded.py --cuda --bf16 --backend gloo --json sharded.json   # one GPU, both ranks on it
+
+``--bf16``: DDP and one process under ``torch.autocast(bfloat16)``, FSDP2 with bf16 parameters and fp32
+reductions (``MixedPrecisionPolicy``), DeepSpeed with its ``bf16`` section. ``--backend`` picks the process
+group's backend (NCCL refuses two ranks on one GPU; gloo then carries CUDA tensors through the host).
 """
 
 from __future__ import annotations
@@ -58,10 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs (two ranks may share one)")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with --cuda, else gloo")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision in every engine")
+    parser.add_argument("--json", help="also write the table's rows to this JSON file")
     parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.backend = args.backend or ("nccl" if args.cuda else "gloo")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,9 +150,9 @@ def run_rank(engine: str, args) -> dict:
     if distributed and "zero" in engine:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
+        deepspeed.init_distributed(dist_backend=args.backend)
     elif distributed:
-        dist.init_process_group("nccl" if args.cuda else "gloo")
+        dist.init_process_group(args.backend)
     rank = dist.get_rank() if distributed else 0
     before = memory_now(device)
     with measure_peak(device) as tensors:
@@ -170,16 +180,21 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
     loss = build_loss(model, args, upstream=engine.startswith("upstream"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     backward, step = None, None
+    autocast = args.bf16 and "zero" not in engine and "fsdp2" not in engine  # the engines cast themselves
     if engine.endswith("ddp"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
         swap_model_in_loss(loss, wrapped)
     elif "fsdp2" in engine:
         from torch.distributed.fsdp import fully_shard
 
-        reshard_after_forward = not engine.endswith("gathered")
+        settings = {"reshard_after_forward": not engine.endswith("gathered")}
+        if args.bf16:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model[0].auto_model.encoder.layer:
-            fully_shard(layer, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, **settings)
+        fully_shard(model, **settings)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     elif "zero" in engine:
         import deepspeed
@@ -194,6 +209,8 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
+        if args.bf16:
+            config["bf16"] = {"enabled": True}
         ds_engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         swap_model_in_loss(loss, ds_engine)
         backward, step = ds_engine.backward, ds_engine.step
@@ -204,7 +221,9 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
         for index in range(args.steps):
             features = batch(model, args, index, rank)
             start = time.perf_counter()
-            backward(loss(features, None))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                value = loss(features, None)
+            backward(value)
             step()
             if args.cuda:
                 torch.cuda.synchronize(device)
@@ -222,8 +241,8 @@ def launch(engine: str, args, out: Path) -> list[dict]:
     common = [
         "--layers", str(args.layers), "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
         "--mini-batch-size", str(args.mini_batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-        "--worker", engine, "--out", str(out),
-    ] + (["--cuda"] if args.cuda else [])  # fmt: skip
+        "--worker", engine, "--out", str(out), "--backend", args.backend,
+    ] + (["--cuda"] if args.cuda else []) + (["--bf16"] if args.bf16 else [])  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not args.cuda:
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
@@ -248,19 +267,21 @@ def launch(engine: str, args, out: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in results]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every engine ``argv`` (default: the command line) asks for, print the table, return its rows."""
+    args = parse_args(argv)
     if args.worker:
         result = run_rank(args.worker, args)
         name = f"{args.worker.replace(' ', '_')}-rank{result['rank']}.json"
         Path(args.out, name).write_text(json.dumps(result))
-        return
+        return []
     import torch
 
     print(
         f"# {platform.processor() or platform.machine()}, {'CUDA ' + torch.cuda.get_device_name() if args.cuda else 'CPU, 1 thread per rank'}; "
         f"torch {torch.__version__}; BERT {args.layers}x{args.hidden}; per rank {args.batch_size} rows x 2 columns, "
-        f"seq {args.seq_len}, mini-batch {args.mini_batch_size}; Matryoshka dims {matryoshka_dims(args)}"
+        f"seq {args.seq_len}, mini-batch {args.mini_batch_size}; Matryoshka dims {matryoshka_dims(args)}; "
+        f"{args.backend}{', bf16' if args.bf16 else ', fp32'}"
     )
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,9 +296,11 @@ def main() -> None:
         f"{'engine':<16}{'tensor MiB/rank':>16}{'vs one process':>16}{'RSS MiB/rank':>14}"
         f"{'s / step':>10}{'vs DDP':>8}{'vs upstream DDP':>17}  error"
     )
+    table = []
     for engine, ranks in rows.items():
         if ranks[0].get("tensor_bytes") is None:
             print(f"{engine:<16}{'':>81}  {ranks[0]['error']}")
+            table.append({"engine": engine, "error": ranks[0]["error"]})
             continue
         tensors = max(rank["tensor_bytes"] for rank in ranks)
         rss = max(rank["rss_bytes"] or 0 for rank in ranks)
@@ -288,6 +311,14 @@ def main() -> None:
             f"{(f'{rss / 2**20:.0f}' if rss else '-'):>14}{(f'{seconds:.2f}' if seconds else '-'):>10}"
             f"{ratio(seconds, ddp.get('step_seconds')):>8}{ratio(seconds, upstream_ddp.get('step_seconds')):>17}  {error}"
         )
+        table.append({
+            "engine": engine, "tensor_mib_per_rank": tensors / 2**20, "rss_mib_per_rank": rss / 2**20 if rss else None,
+            "step_seconds": seconds, "vs_one_process": ratio(tensors, single.get("tensor_bytes")),
+            "vs_ddp": ratio(seconds, ddp.get("step_seconds")), "error": error or None,
+        })  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"backend": args.backend, "bf16": args.bf16, "rows": table}, indent=2))
+    return table
 
 
 def ratio(value, reference) -> str:
