@@ -61,7 +61,7 @@ def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_
     assert not [p.name for p in output.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
-def test_config_file_with_precomputed_guide(tiny_bert_dir, pairs_file, tmp_path):
+def test_config_file_with_precomputed_guide(tiny_bert_dir, pairs_file, tmp_path, capsys):
     config = tmp_path / "config.yaml"
     config.write_text(
         f"model: {tiny_bert_dir}\ndata: {pairs_file}\nanchor_column: question\npositive_column: answer\n"
@@ -69,7 +69,15 @@ def test_config_file_with_precomputed_guide(tiny_bert_dir, pairs_file, tmp_path)
         f"mini_batch_size: 2\nmatryoshka_dims: [32, 8]\noutput_dir: {tmp_path / 'run'}\n"
     )
     assert main(["train", "--config", str(config)]) == 0
-    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())["after"]) == {"32", "8"}
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert set(metrics["after"]) == {"32", "8"}
+    # The guide's release report (malloc_trim, RSS) is in metrics.json; the console shows it with --verbose only.
+    released = metrics["memory"]["frozen_encoders"]
+    assert released["mode"] == "precompute" and released["release_reports"][0].startswith("Released ")
+    assert "malloc_trim" in released["release_reports"][0]
+    printed = capsys.readouterr()
+    assert "malloc_trim" not in printed.out + printed.err and "Released " not in printed.out
+    assert "Loading weights" not in printed.err and "Generating train split" not in printed.err
 
 
 def test_non_cached_gist_with_offloaded_guide(tiny_bert_dir, pairs_file, tmp_path):
@@ -112,7 +120,8 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--loss", "cached_mnrl", "--guide", "__TMP__"], "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)"),
         (["--loss", "mnrl"], "mini_batch_size: 'mnrl' would ignore it (only the cached losses split batches"),
         (["--memory-budget-mb", "100"], "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto"),
-        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "memory_budget_mb: mini_batch_size='auto': the optimizer's update alone (gradients, the states its first step allocates, temporaries) needs"),
+        # The library's message names the Python arguments; the command adds their flags.
+        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "Raise memory_budget_mb, or choose a lighter optimizer (the training arguments' optim, e.g. 'adafactor'). (flags: --mini-batch-size, --memory-budget-mb, --optim)"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
@@ -188,11 +197,18 @@ def test_help_lists_every_setting_with_its_default(capsys):
         assert default in text
 
 
+def listed_losses(capsys) -> dict[str, str]:
+    """``--list-losses``: each loss's line by name, after the line that explains the mark."""
+    assert main(["train", "--list-losses"]) == 0
+    legend, *rows = capsys.readouterr().out.splitlines()
+    assert legend.startswith("* = st-ext train trains it")
+    return {row[2:].split()[0]: row for row in rows}
+
+
 def test_list_losses_says_what_each_trains_on(capsys):
     from st_ext.losses.registry import known_losses
 
-    assert main(["train", "--list-losses"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    lines = listed_losses(capsys)
     assert sorted(lines) == known_losses()
     assert "(anchor, positive[, negative_1, ...])" in lines["matryoshka_cached_gist"]
     assert "(sentence_A, sentence_B, score)" in lines["cosent"] and "(text, label)" in lines["xbm_batch_hard_triplet"]
@@ -220,6 +236,7 @@ def test_unreadable_data_is_one_line_with_its_place(tiny_bert_dir, tmp_path, cap
     data = tmp_path / name
     data.write_bytes(content)
     args = ["train", "--model", str(tiny_bert_dir), "--data", str(data), "--output-dir", str(tmp_path / "run")]
+    args += ["--matryoshka-dims", "32"]  # the tiny model's size: the settings are checked before the data's content
     assert main(args) == EXIT_BAD_INPUT
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], errors
@@ -240,7 +257,7 @@ def test_every_error_has_the_same_form(capsys):
 def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pairs_file, tmp_path, monkeypatch, capsys):
     from st_ext.cli import job
 
-    def interrupted(config, trainer_settings):
+    def interrupted(config, trainer_settings, **options):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(job, "run", interrupted)
@@ -264,5 +281,170 @@ def test_max_pairs_caps_only_the_built_in_pairs(tmp_path):
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):
     empty = tmp_path / "empty.csv"
     empty.write_text("anchor,positive\n")
-    assert main(["train", "--model", str(tiny_bert_dir), "--data", str(empty), "--output-dir", str(tmp_path / "run")]) == EXIT_BAD_INPUT
+    args = ["train", "--model", str(tiny_bert_dir), "--data", str(empty), "--output-dir", str(tmp_path / "run"), "--matryoshka-dims", "32"]
+    assert main(args) == EXIT_BAD_INPUT
     assert "data:" in capsys.readouterr().err
+
+
+def test_every_loss_listed_as_trainable_is_accepted_and_every_other_refused(tiny_bert_dir, tmp_path, capsys):
+    """The mark of ``--list-losses`` is what the command's validation does, loss by loss."""
+    from st_ext.cli.arguments import parse_train_args
+    from st_ext.cli.job import ConfigError, TrainConfig, validate
+
+    lines = listed_losses(capsys)
+    trainable = [name for name, line in lines.items() if line.startswith("* ")]
+    assert 0 < len(trainable) < len(lines)
+    _, _, settings = parse_train_args(["--output-dir", str(tmp_path / "run")])
+    for name, line in lines.items():
+        negatives = ["neg"] if "(needs one --negative-columns)" in line else []
+        config = TrainConfig(model=str(tiny_bert_dir), loss=name, negative_columns=negatives, matryoshka_dims=[32])
+        if name in trainable:
+            validate(config, settings)
+        else:
+            with pytest.raises(ConfigError, match=f"loss: '{name}' trains on .* rows, but st-ext train gives"):
+                validate(config, settings)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "many"], "argument --batch-size/--batch_size: invalid int value: 'many'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        # Abbreviations are refused, not expanded to whichever flag they start.
+        (["--anchor_colum", "question"], "unrecognized arguments: --anchor_colum question"),
+        (["--anchor-col", "question"], "unrecognized arguments: --anchor-col question"),
+        (["--list-loss"], "unrecognized arguments: --list-loss"),
+    ],
+)
+def test_a_flag_mistake_is_one_line_without_the_usage_block(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *argv])
+    assert stop.value.code == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"st-ext train: error: {message} (`st-ext train --help` lists every setting)"]
+
+
+def test_every_parser_refuses_abbreviations():
+    from st_ext.cli.arguments import build_train_parser
+    from st_ext.cli.main import build_parser
+
+    train_parser = build_train_parser()
+    assert train_parser.allow_abbrev is False and build_parser().allow_abbrev is False
+    assert train_parser.parse_args(["--anchor_column", "q", "--anchor-column", "question"]).anchor_column == "question"
+
+
+def test_matryoshka_dims_above_the_model_size_fail_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """The packaged model declares 384 in its files: 512 is refused before the model or the data loads."""
+    from st_ext.cli import job
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("loaded before the settings were checked")
+
+    monkeypatch.setattr(job, "SentenceTransformer", not_now)
+    monkeypatch.setattr(job, "_datasets", not_now)
+    assert main(["train", "--matryoshka-dims", "512", "256", "--output-dir", str(tmp_path / "run")]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "st-ext train: error: matryoshka_dims: [512] exceed the model's embedding size 384; use 384 or less."
+    ]
+
+
+def test_a_model_whose_files_do_not_declare_its_size_is_checked_right_after_loading(tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch):
+    from st_ext.cli import job
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("evaluated before the dimensions were checked")
+
+    monkeypatch.setattr(job, "declared_dimension", lambda name: None)
+    monkeypatch.setattr(job, "evaluate", not_now)
+    args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")
+    args[args.index("--matryoshka-dims") + 1 : args.index("--matryoshka-dims") + 3] = ["64", "16"]
+    assert main(args) == EXIT_BAD_INPUT
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[-1] == "st-ext train: error: matryoshka_dims: [64] exceed the model's embedding size 32; use 32 or less."
+
+
+def test_the_size_a_saved_model_declares_is_the_size_it_loads_with(tiny_bert_dir, tmp_path):
+    """The files are read without loading, so the reading must agree with sentence-transformers."""
+    from st_ext import SentenceTransformer
+    from st_ext._compat import embedding_dimension, st_modules
+    from st_ext.cli.job import declared_dimension, packaged_model_path
+
+    modules = st_modules()
+    folders = {"plain transformers model": tiny_bert_dir, "packaged": packaged_model_path()}
+    two_modes = modules.Pooling(32, pooling_mode_cls_token=True, pooling_mode_max_tokens=True, pooling_mode_mean_tokens=False)
+    stacks = {
+        "mean pooling": [modules.Pooling(32)],
+        "two pooling modes": [two_modes],
+        "dense and normalize": [modules.Pooling(32), modules.Dense(in_features=32, out_features=16), modules.Normalize()],
+    }
+    for label, rest in stacks.items():
+        model = SentenceTransformer(modules=[modules.Transformer(str(tiny_bert_dir)), *rest], device="cpu")
+        model.save(str(tmp_path / label))
+        folders[label] = tmp_path / label
+    for label, folder in folders.items():
+        loaded = embedding_dimension(SentenceTransformer(str(folder), device="cpu"))
+        assert declared_dimension(str(folder)) == loaded, label
+    assert {declared_dimension(str(folders["two pooling modes"])), declared_dimension(str(folders["dense and normalize"]))} == {64, 16}
+    assert declared_dimension("sentence-transformers/all-MiniLM-L6-v2") is None, "a Hub id: checked once loaded"
+
+
+def test_an_unreadable_data_file_is_one_line_before_anything_loads(tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch):
+    """Mode 000; where the tests run as root (which reads it anyway), ``open`` in st_ext.cli.data is made
+    to fail as it would for another user."""
+    from st_ext.cli import data, job
+
+    pairs_file.chmod(0o000)
+    if os.geteuid() == 0:
+        def refused(path, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(path))
+
+        monkeypatch.setattr(data, "open", refused, raising=False)
+    monkeypatch.setattr(job, "SentenceTransformer", None)  # loading would fail with a TypeError traceback
+    try:
+        assert main(tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")) == EXIT_BAD_INPUT
+    finally:
+        pairs_file.chmod(0o644)
+    assert capsys.readouterr().err.splitlines() == [
+        f"st-ext train: error: data: cannot read {pairs_file} (Permission denied); check its permissions."
+    ]
+
+
+def test_an_interrupted_step_leaves_no_profiler_running():
+    """Ctrl-C inside a step: the job stops the step's measurement, or the CPU profiler warns at exit."""
+    from types import SimpleNamespace
+
+    from st_ext.cli.reporting import StepMemoryRecorder
+
+    recorder = StepMemoryRecorder("cpu")
+    recorder.on_step_begin(None, SimpleNamespace(global_step=0), None)
+    assert torch.autograd.profiler._is_profiler_enabled
+    recorder.stop()
+    assert not torch.autograd.profiler._is_profiler_enabled and recorder.rows == []
+    recorder.stop()  # nothing open: nothing to do
+
+
+def test_library_errors_name_python_arguments_not_flags():
+    """Errors raised outside st_ext.cli are read by Python users: they name ``optim=``, not ``--optim``;
+    the command adds its flags (see the memory_budget_mb case above)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import st_ext
+
+    package = Path(st_ext.__file__).parent
+    flagged = []
+    for source in sorted(package.rglob("*.py")):
+        if "cli" in source.relative_to(package).parts:
+            continue
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            is_warning = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("warn", "warning")
+            if isinstance(node, ast.Raise) or is_warning:
+                for part in ast.walk(node):
+                    if isinstance(part, ast.Constant) and isinstance(part.value, str) and re.search(r"(?<![\w-])--[a-z]", part.value):
+                        flagged.append(f"{source.relative_to(package)}:{part.lineno}: {part.value}")
+    assert flagged == []

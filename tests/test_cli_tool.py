@@ -101,6 +101,10 @@ def test_a_trainer_argument_conflict_is_one_line(tiny_bert_dir, triplets_file, t
     assert "load_best_model_at_end" in err[0]
 
 
+def every_file(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
+
+
 def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, triplets_file, tmp_path, capsys):
     output = tmp_path / "run"
     saving = ["--save-strategy", "steps", "--save-steps", "1", "--loss", "matryoshka_cached_mnrl"]
@@ -108,15 +112,42 @@ def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, tri
     checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
     assert checkpoints == ["checkpoint-1", "checkpoint-2"]
     assert metrics_of(output)["time"]["steps"] == 2
+    assert "Writing model shards" not in capsys.readouterr().err, "transformers' bar at each checkpoint, unless --verbose"
 
     resumed = run_args(tiny_bert_dir, triplets_file, output, *saving, "--resume-from-checkpoint", "last")
     resumed[resumed.index("--max-steps") + 1] = "3"
     assert main(resumed) == 0
+    assert f"resuming from {output / 'checkpoints' / 'checkpoint-2'} (step 2)" in capsys.readouterr().out.splitlines()
     # Steps 1 and 2 were restored from checkpoint-2, so this run trained step 3 only.
     assert metrics_of(output)["time"]["steps"] == 1
     state = json.loads((output / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert (output / "model" / "modules.json").is_file()
+
+
+def test_resuming_a_finished_run_publishes_nothing(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    """Resuming a run that reached its last step trains nothing, so it must not replace the results
+    (with a header-only CSV and an empty plot) nor touch a checkpoint: one line says so."""
+    output = tmp_path / "run"
+    saving = ["--save-strategy", "steps", "--save-steps", "1", "--loss", "matryoshka_cached_mnrl"]
+    assert main(run_args(tiny_bert_dir, triplets_file, output, *saving)) == 0
+    finished = every_file(output)
+    capsys.readouterr()
+
+    resumed = run_args(tiny_bert_dir, triplets_file, output, *saving, "--resume-from-checkpoint", "last")
+    assert main(resumed) == 0  # --max-steps 2: known complete before anything loads
+    assert capsys.readouterr().out.splitlines() == [
+        f"st-ext train: already complete at step 2 ({output / 'checkpoints' / 'checkpoint-2'} ends the run these "
+        f"settings ask for); nothing was trained or written, and {output} is unchanged. Raise --max-steps or --epochs to train on."
+    ]
+    # By epochs the step count depends on the data, so the trainer finds out: 19 training rows in batches of
+    # 10 make 2 steps an epoch, all done at checkpoint-2.
+    by_epochs = without(without(resumed, "--max-steps"), "--batch-size") + ["--batch-size", "10", "--epochs", "1"]
+    assert main(by_epochs) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"resuming from {output / 'checkpoints' / 'checkpoint-2'} (step 2)"
+    assert printed[-1].startswith("st-ext train: already complete at step 2 (")
+    assert every_file(output) == finished
 
 
 @pytest.mark.parametrize(
@@ -135,11 +166,14 @@ def test_resuming_without_a_checkpoint_is_one_line(tiny_bert_dir, triplets_file,
 
 @pytest.mark.parametrize("loss", ["matryoshka_cached_gist", "triplet"])
 def test_hard_negatives_are_trained_on(tiny_bert_dir, triplets_file, tmp_path, capsys, loss):
-    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--negative-columns", "neg", "--loss", loss)
+    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--negative-columns", "neg", "--loss", loss, "--verbose")
     if loss == "triplet":
         args = without(args, "--mini-batch-size")  # a non-cached loss takes none
     assert main(args) == 0
-    assert "training rows (anchor, positive, negative)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "training rows (anchor, positive, negative)" in printed
+    # --verbose prints the guide's release report, which otherwise goes to metrics.json only.
+    assert ("malloc_trim" in printed) == (loss == "matryoshka_cached_gist")
     assert metrics_of(tmp_path / "run")["data"]["columns"] == ["anchor", "positive", "negative"]
 
 
@@ -252,6 +286,12 @@ def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tm
     assert failed.stderr.strip().splitlines() == [
         "st-ext train: error: model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local "
         "Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory."
+    ]
+    # An abbreviated flag is refused (not taken for --anchor-column), in one line without the usage block.
+    abbreviated = subprocess.run([str(script), "train", "--anchor_colum", "q"], capture_output=True, text=True, env=env)
+    assert abbreviated.returncode == EXIT_BAD_INPUT and "usage:" not in abbreviated.stdout + abbreviated.stderr
+    assert abbreviated.stderr.splitlines() == [
+        "st-ext train: error: unrecognized arguments: --anchor_colum q (`st-ext train --help` lists every setting)"
     ]
 
 

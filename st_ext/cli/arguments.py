@@ -31,11 +31,24 @@ def positive_or_auto(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
 
 
+class TrainParser(HfArgumentParser):
+    """``HfArgumentParser`` whose errors are one line: the usage block lists some 130 settings, and
+    printed before the error it buries the one line that says what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every setting)\n")
+
+
 def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumentParser:
-    """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults."""
-    parser = HfArgumentParser(
+    """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults.
+
+    Flags must be spelt in full (``allow_abbrev=False``): among ~130 settings a prefix such as
+    ``--anchor_colum`` would otherwise silently become whichever flag it starts.
+    """
+    parser = TrainParser(
         (TrainConfig, SentenceTransformerTrainingArguments),
         prog="st-ext train",
+        allow_abbrev=False,
         description=(
             "st_ext's settings come first, then every argument of sentence-transformers' Trainer (checkpoints, "
             "resume, warmup, bf16, accumulation, report_to, ...). Each is also a key of the --config file "
@@ -52,7 +65,13 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
         )
     parser.add_argument("--config", type=Path, default=None, help="YAML or JSON file of settings: keys as the flags, with _ for -")
     parser.add_argument(
-        "--list-losses", action="store_true", help="print each registered loss with its input columns and exit"
+        "--list-losses", action="store_true",
+        help="print each registered loss with its input columns, marking those st-ext train can train, and exit",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="also print what goes to metrics.json only (the guide's release report) and transformers' "
+        "loading and saving progress bars",
     )
     parser.set_defaults(**{**TRAINER_DEFAULTS, **(file_settings or {})})
     return parser
@@ -75,7 +94,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: {path} is a directory; pass a YAML or JSON file.")
     if not path.is_file():
         raise ConfigError(f"config: {path} does not exist.")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config: cannot read {path}: {getattr(error, 'strerror', None) or error}.") from None
     try:
         settings = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except Exception as error:  # json and yaml raise their own error types

@@ -54,6 +54,7 @@ def check_data_path(setting: str, name: str) -> None:
     if path.is_file():
         if path.suffix.lower() not in DATA_FORMATS:
             raise ConfigError(f"{setting}: {path.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
+        _check_readable(path, setting)
         return
     if path.suffix.lower() in DATA_FORMATS or not looks_like_hub_id(name):
         raise ConfigError(f"{setting}: {name!r} does not exist.")
@@ -110,6 +111,18 @@ def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> 
     if len(found.rows) < MIN_ROWS:
         raise ConfigError(f"data: {len(found.rows)} usable pairs; need at least {MIN_ROWS} to train and evaluate.")
     return found
+
+
+def _check_readable(path: Path, setting: str) -> None:
+    """Opening the file now, not after the model loads: a file the user may not read (its mode, an
+    ACL, a file system) is one line here, and a PermissionError traceback later."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{setting}: cannot read {path} ({error.strerror or error}); check its permissions."
+        ) from None
 
 
 def _check_text_file(path: Path, setting: str) -> None:

@@ -9,9 +9,11 @@ whole run's results.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +35,16 @@ from st_ext.cli.reference_peak import measure_reference_peak
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
 from st_ext.cli.trainer_args import (
     checkpoint_folder,
+    checkpoint_step,
     resume_checkpoint,
     setting_name,
+    steps_left,
+    trainer_field_names,
     training_arguments,
     with_defaults,
 )
 from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
-from st_ext.losses.registry import MATRYOSHKA_PREFIX, LossSpec, build_loss, known_losses, loss_spec
+from st_ext.losses.registry import MATRYOSHKA_PREFIX, LossSpec, build_loss, describe_losses, known_losses, loss_spec
 from st_ext.training.frozen_encoders import FROZEN_ENCODER_MODES
 from st_ext.training.trainer import SentenceTransformerTrainer
 
@@ -135,6 +140,9 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
         raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
     if not config.matryoshka_dims or any(d <= 0 for d in config.matryoshka_dims):
         raise ConfigError(f"matryoshka_dims: {config.matryoshka_dims} must be positive integers.")
+    dimension = declared_dimension(model_path)
+    if dimension is not None:
+        _usable_dims(config.matryoshka_dims, dimension)
     if config.eval_fraction is not None and not 0 < config.eval_fraction < 1:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
     _check_ranges(config, trainer_settings)
@@ -172,6 +180,48 @@ def _max_positions(config_file: Path) -> int | None:
         return int(json.loads(config_file.read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+#: sentence-transformers modules that pass on the embedding size of the module before them.
+SIZE_KEEPING_MODULES = ("Normalize", "Dropout", "LayerNorm")
+
+
+def declared_dimension(name: str) -> int | None:
+    """The embedding size a saved model's files declare, read without loading it, so that a wrong
+    ``matryoshka_dims`` is refused before anything loads; None where the files do not say plainly (a Hub
+    id, a module not known here): the size is then checked as soon as the model is loaded."""
+    path = Path(name)
+    try:
+        if not (path / "modules.json").is_file():
+            # sentence-transformers puts mean pooling over a plain transformers model: its hidden size.
+            return int(json.loads((path / "config.json").read_text())["hidden_size"])
+        size = None
+        for module in json.loads((path / "modules.json").read_text()):
+            kind = module["type"].rsplit(".", 1)[-1]
+            folder = path / module.get("path", "")
+            if kind == "Transformer":
+                size = None  # token embeddings: the pooling after it sets the size
+            elif kind == "Pooling":
+                size = _pooled_size(json.loads((folder / "config.json").read_text()))
+            elif kind == "Dense":
+                size = int(json.loads((folder / "config.json").read_text())["out_features"])
+            elif kind not in SIZE_KEEPING_MODULES:
+                return None
+        return size
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _pooled_size(pooling: dict[str, Any]) -> int | None:
+    """A Pooling module's output size: its input size times its modes, in either config form
+    (``pooling_mode`` since sentence-transformers 6, ``pooling_mode_*`` flags before)."""
+    width = pooling.get("embedding_dimension", pooling.get("word_embedding_dimension"))
+    mode = pooling.get("pooling_mode")
+    if mode is not None:
+        modes = 1 if isinstance(mode, str) else len(mode)
+    else:
+        modes = sum(bool(value) for key, value in pooling.items() if key.startswith("pooling_mode_"))
+    return int(width) * modes if width is not None and modes else None
 
 
 def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
@@ -227,17 +277,31 @@ def _check_ranges(config: TrainConfig, trainer_settings: dict[str, Any]) -> None
             raise ConfigError(f"{setting_name(name)}: {value} is out of range; use {accepted}.")
 
 
-def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Train as configured; returns the metrics and the paths written.
 
     ``trainer_settings`` are ``SentenceTransformerTrainingArguments`` fields over ``st-ext train``'s
-    defaults; ``output_dir`` among them is where the results go.
+    defaults; ``output_dir`` among them is where the results go. ``verbose`` also prints what only
+    ``metrics.json`` holds otherwise (the guide's release report) and transformers' and datasets'
+    loading and saving progress bars (one per checkpoint).
     """
     settings = with_defaults(trainer_settings)
     validate(config, settings)
+    output_dir = Path(settings["output_dir"])
+    checkpoint = resume_checkpoint(settings, output_dir)
+    resumed_step = None if checkpoint is None else checkpoint_step(checkpoint)
+    if resumed_step is not None and not steps_left(resumed_step, settings):
+        print(_already_complete(checkpoint, resumed_step, output_dir))
+        return {"already_complete_at": resumed_step, "written": {}}
+    if checkpoint is not None:
+        print(f"resuming from {checkpoint} (step {resumed_step})")
+    with _library_progress_bars(verbose):
+        return _run(config, settings, output_dir, checkpoint, resumed_step, verbose)
+
+
+def _run(config, settings, output_dir: Path, checkpoint: str | None, resumed_step: int | None, verbose: bool) -> dict[str, Any]:
     seed = settings["seed"]
     torch.manual_seed(seed)
-    output_dir = Path(settings["output_dir"])
     for line in publishing.recover(output_dir):
         print(line)
     train_dataset, eval_pairs, data_report = _datasets(config, seed)
@@ -273,15 +337,27 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None) -> 
             frozen_encoders=frozen_encoders,
         )
         for report in trainer.frozen_encoder_reports:
-            print(report)
+            if verbose:
+                print(report)
+            elif not getattr(report, "ok", True):
+                print(f"warning: {str(report).splitlines()[0]} (the whole report is in metrics.json)")
         try:
-            trainer.train(resume_from_checkpoint=resume_checkpoint(settings, output_dir))
-        except BudgetTooSmallError as error:
+            trainer.train(resume_from_checkpoint=checkpoint)
+        except BaseException as error:
+            # An interrupted step's profiler is stopped now: left running, it warns about every
+            # block freed under it as the process ends.
+            recorder.stop()
             _close_progress_bars(trainer)  # so that the error starts a line of its own
-            raise ConfigError(f"memory_budget_mb: {error}") from None
+            if isinstance(error, BudgetTooSmallError):
+                raise ConfigError(f"memory_budget_mb: {with_flags(str(error))}") from None
+            raise
     finally:
         if not saves_checkpoints:
             shutil.rmtree(trainer_dir, ignore_errors=True)
+    if checkpoint is not None and trainer.state.global_step <= resumed_step:
+        # A run by epochs: how many steps they make depends on the data, so the trainer found out.
+        print(_already_complete(checkpoint, resumed_step, output_dir))
+        return {"already_complete_at": resumed_step, "written": {}}
     auto = auto_mini_batch_of(loss)
     if auto is not None and auto.choice is not None:
         print(auto.choice)
@@ -290,7 +366,7 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None) -> 
     after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
-    report = run_report(config, settings, data_report, recorder, reference, auto)
+    report = run_report(config, settings, data_report, recorder, reference, auto, trainer)
     written = _publish_results(output_dir, model, before, after, recorder, reference, report)
     print(f"\npeak memory per step: max {report['memory']['step_peak_mib']:.1f} MiB ({report['memory']['meter']})")
     if reference is not None:
@@ -334,8 +410,9 @@ def _datasets(config: TrainConfig, seed: int) -> tuple[Dataset, Dataset, dict[st
     return train_dataset, eval_pairs, report
 
 
-def run_report(config, settings, data_report, recorder, reference, auto) -> dict[str, Any]:
-    """What ``metrics.json`` says besides the metrics: settings, data, memory, time, versions."""
+def run_report(config, settings, data_report, recorder, reference, auto, trainer=None) -> dict[str, Any]:
+    """What ``metrics.json`` says besides the metrics: settings, data, memory (the guide's release
+    report included, which the console shows with ``--verbose`` only), time, versions."""
     steps = recorder.rows
     seconds = sorted(row["seconds"] for row in steps)
     return {
@@ -347,6 +424,10 @@ def run_report(config, settings, data_report, recorder, reference, auto) -> dict
             "counts": "peak tensor memory above the level at the start of each optimizer step",
             "uncached_reference": None if reference is None else dataclasses.asdict(reference),
             "auto_mini_batch": None if auto is None or auto.choice is None else str(auto.choice),
+            "frozen_encoders": {
+                "mode": getattr(trainer, "frozen_encoders", None),
+                "release_reports": [str(report) for report in getattr(trainer, "frozen_encoder_reports", [])],
+            },
         },
         "time": {
             "steps": len(steps),
@@ -377,6 +458,71 @@ def versions() -> dict[str, str]:
 
 def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:
     return {name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value) for name, value in settings.items()}
+
+
+def _already_complete(checkpoint: str, step: int, output_dir: Path) -> str:
+    return (
+        f"st-ext train: already complete at step {step} ({checkpoint} ends the run these settings ask for); "
+        f"nothing was trained or written, and {output_dir} is unchanged. Raise --max-steps or --epochs to train on."
+    )
+
+
+@contextlib.contextmanager
+def _library_progress_bars(shown: bool):
+    """transformers' bars (loading weights, "Writing model shards" at every checkpoint, nested in the
+    training bar) and datasets' (reading a file) say nothing a user acts on: hidden unless ``shown``,
+    and restored as they were after the run."""
+    import datasets.utils as datasets_logging
+    from transformers.utils import logging as transformers_logging
+
+    was_shown = transformers_logging.is_progress_bar_enabled(), not datasets_logging.are_progress_bars_disabled()
+    if not shown:
+        transformers_logging.disable_progress_bar()
+        datasets_logging.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not shown:
+            if was_shown[0]:
+                transformers_logging.enable_progress_bar()
+            if was_shown[1]:
+                datasets_logging.enable_progress_bars()
+
+
+#: Setting names without an underscore that library messages use as identifiers.
+PLAIN_WORD_SETTINGS = ("optim",)
+
+
+def with_flags(message: str) -> str:
+    """A library error names Python arguments (``memory_budget_mb``, the training arguments' ``optim``);
+    the command adds the flags that set them."""
+    names = [name for name in (*TrainConfig.field_names(), *trainer_field_names()) if "_" in name or name in PLAIN_WORD_SETTINGS]
+    found = {}
+    for name in names:
+        match = re.search(rf"(?<![\w.-]){name}(?![\w-])", message)
+        if match:
+            found[name] = match.start()
+    flags = [f"--{name.replace('_', '-')}" for name in sorted(found, key=found.get)]
+    return f"{message} (flags: {', '.join(flags)})" if flags else message
+
+
+#: How ``--list-losses`` marks the losses ``st-ext train`` can train.
+TRAINABLE_MARK = "*"
+
+
+def loss_listing() -> list[str]:
+    """``--list-losses``: every registered loss, those :func:`validate` accepts marked; the others take
+    rows (scores, class labels) this command does not build, so it refuses them (Python can train them)."""
+    lines = [
+        f"{TRAINABLE_MARK} = st-ext train trains it on (anchor, positive[, --negative-columns]) rows; the others "
+        "take rows it does not build (train them from Python: st_ext.losses.registry.build_loss)."
+    ]
+    for name, line in zip(known_losses(), describe_losses()):
+        spec = loss_spec(name)
+        mark = TRAINABLE_MARK if spec.trains_on(0) or spec.trains_on(1) else " "
+        needs = "  (needs one --negative-columns)" if not spec.trains_on(0) and spec.trains_on(1) else ""
+        lines.append(f"{mark} {line}{needs}")
+    return lines
 
 
 def _close_progress_bars(trainer) -> None:
@@ -423,7 +569,9 @@ def _publish_results(
 def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
     too_large = [d for d in dims if d > embedding_dim]
     if too_large:
-        raise ConfigError(f"matryoshka_dims: {too_large} exceed the model's embedding size {embedding_dim}.")
+        raise ConfigError(
+            f"matryoshka_dims: {too_large} exceed the model's embedding size {embedding_dim}; use {embedding_dim} or less."
+        )
     return sorted(set(dims), reverse=True)
 
 

@@ -20,11 +20,14 @@ ERROR_PREFIX = "st-ext train: error:"
 
 def build_parser() -> argparse.ArgumentParser:
     """``st-ext`` and its commands; each command parses its own arguments."""
-    parser = argparse.ArgumentParser(prog="st-ext", description="Memory-bounded sentence-transformers training.")
+    parser = argparse.ArgumentParser(
+        prog="st-ext", description="Memory-bounded sentence-transformers training.", allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "train",
         add_help=False,
+        allow_abbrev=False,
         help="train a SentenceTransformer (default: the packaged all-MiniLM-L6-v2 on built-in pairs); "
         "`st-ext train --help` lists its settings",
     )
@@ -42,16 +45,15 @@ def main(argv: list[str] | None = None) -> int:
 def train(argv: list[str]) -> int:
     from st_ext.cli import job
     from st_ext.cli.arguments import parse_train_args
-    from st_ext.losses.registry import describe_losses
 
     output_dir = None
     try:
         namespace, config, trainer_settings = parse_train_args(argv)
         if namespace.list_losses:
-            print("\n".join(describe_losses()))
+            print("\n".join(job.loss_listing()))
             return 0
         output_dir = trainer_settings["output_dir"]
-        job.run(config, trainer_settings)
+        job.run(config, trainer_settings, verbose=namespace.verbose)
     except job.ConfigError as error:
         print(f"{ERROR_PREFIX} {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

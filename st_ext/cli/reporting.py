@@ -54,6 +54,13 @@ class StepMemoryRecorder(TrainerCallback):
         )
         self._active = self._peak = None
 
+    def stop(self) -> None:
+        """End the measurement of a step that will not end (an interrupt, an error), unrecorded: on the
+        CPU the profiler would otherwise run on and warn about each block freed while the process exits."""
+        if self._active is not None:
+            active, self._active, self._peak = self._active, None, None
+            active.__exit__(None, None, None)
+
     def write_csv(self, path: Path) -> Path:
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "seconds", "device", "meter"])

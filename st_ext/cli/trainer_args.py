@@ -10,6 +10,7 @@ checkpoints (when ``save_strategy`` is not ``no``) to ``output_dir/checkpoints``
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,22 @@ def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None
             f"folder or '{LAST_CHECKPOINT}'."
         )
     return str(path)
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a checkpoint was saved at, from its ``trainer_state.json``."""
+    state = Path(checkpoint) / "trainer_state.json"
+    try:
+        return int(json.loads(state.read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TrainerArgumentError(
+            f"resume_from_checkpoint: {state} cannot be read as the Trainer's state; pass another checkpoint-N folder."
+        ) from None
+
+
+def steps_left(step: int, settings: dict[str, Any]) -> bool:
+    """Whether a run resumed at ``step`` has steps to train: False once ``max_steps`` is reached. A run by
+    epochs (``max_steps`` -1) counts as having steps left: their number depends on the data and the
+    Trainer's batching, so the job asks the Trainer, which trains none if there are none."""
+    max_steps = settings.get("max_steps", -1)
+    return max_steps is None or max_steps <= 0 or step < max_steps
