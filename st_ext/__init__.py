@@ -8,6 +8,11 @@ Swap the import and keep the training script::
 training arguments, are here too where the installed release has them; on an older release importing
 one raises an ImportError naming the release it needs.
 
+Every other public name and module path of the installed sentence-transformers answers here too, as
+upstream's object (``from st_ext import util, InputExample``, ``from st_ext.evaluation import
+InformationRetrievalEvaluator``; see :mod:`st_ext._upstream_aliases`), so that swapping the import is
+the only change a training script needs.
+
 The names load on first use, so that ``st-ext --help`` (whose console script lives in this package)
 answers without importing torch.
 """
@@ -17,6 +22,10 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _distribution_version
+
+from st_ext import _upstream_aliases
+
+_upstream_aliases.install()
 
 try:
     #: The installed distribution's version (pyproject.toml is the one place it is written).
@@ -34,14 +43,16 @@ _SOURCES = {
 
 
 def _public_names() -> list[str]:
+    """st_ext's names and upstream's ``__all__``."""
     from st_ext import _compat
 
-    return sorted(name for name in _SOURCES if _compat.missing_archetype_error(name) is None) + ["__version__"]
+    ours = {name for name in _SOURCES if _compat.missing_archetype_error(name) is None}
+    return sorted(ours | set(importlib.import_module("sentence_transformers").__all__)) + ["__version__"]
 
 
 def __getattr__(name: str):
-    """Load a public name on first use; name the sentence-transformers release an archetype needs when
-    the installed one lacks it."""
+    """Load a public name on first use: st_ext's own (naming the sentence-transformers release an archetype
+    needs when the installed one lacks it), else upstream's (a submodule as ``st_ext.<name>``)."""
     if name == "__all__":
         return _public_names()
     if name in _SOURCES:
@@ -53,8 +64,13 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_SOURCES[name]), name)
         globals()[name] = value
         return value
+    if not name.startswith("_"):
+        value = _upstream_aliases.resolve(__name__, importlib.import_module("sentence_transformers"), name)
+        if value is not _upstream_aliases.MISSING:
+            return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_public_names()})
+    upstream = importlib.import_module("sentence_transformers")
+    return sorted({*globals(), *_public_names(), *(name for name in dir(upstream) if not name.startswith("_"))})

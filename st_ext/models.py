@@ -15,6 +15,12 @@ supported range:
 
 all reaching every Hugging Face model in the tree (see :mod:`st_ext.checkpointing`), by the names
 the installed transformers prefers (never its deprecated ones).
+
+This module also stands in for upstream's ``sentence_transformers.models`` (the modules ``Transformer``,
+``Pooling``, ``Dense``…; on 6.x a deprecated path to ``sentence_transformers.sentence_transformer.modules``),
+so that ``from st_ext.models import Transformer, Pooling`` works as upstream's import does: every other
+name reads through to upstream's namespace, and ``__path__`` lets its submodule paths
+(``st_ext.models.tokenizer``…) import through :mod:`st_ext._upstream_aliases`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from typing import Any
 
 import sentence_transformers
 
-from st_ext import _compat, checkpointing
+from st_ext import _compat, _upstream_aliases, checkpointing
+
+#: No files of its own: upstream's submodule paths below ``models`` are found by st_ext's alias finder.
+__path__: list[str] = []
 
 
 class CheckpointingMixin:
@@ -73,8 +82,17 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
 
 
 def __getattr__(name: str):
-    """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
+    """Upstream's ``models`` names (``Transformer``, ``Pooling``…); name the sentence-transformers release
+    an archetype needs when the installed one lacks it."""
     error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
     if error is not None:
         raise error
+    if not name.startswith("_"):
+        value = _upstream_aliases.resolve(__name__, _compat.st_modules(), name)
+        if value is not _upstream_aliases.MISSING:
+            return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *(name for name in dir(_compat.st_modules()) if not name.startswith("_"))})

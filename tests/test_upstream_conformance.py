@@ -18,6 +18,8 @@ import inspect
 import logging
 import pickle
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -567,3 +569,18 @@ def test_matryoshka_refuses_dimensions_that_are_not_integers_at_construction(mod
     )
     with pytest.raises(ValueError, match=r"matryoshka_dims must be integers, got .* at position"):
         losses.MatryoshkaLoss(model, loss, dims)
+
+
+def test_a_deprecated_upstream_loss_warns_when_constructed_and_not_at_import(model):
+    """Upstream's deprecation of a class st_ext replaces reaches the user's line that constructs it, as
+    upstream's does, and importing st_ext.losses says nothing."""
+    script = "import warnings; warnings.simplefilter('error', DeprecationWarning); import st_ext.losses"
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True).returncode == 0
+    name = "CachedMultipleNegativesSymmetricRankingLoss"
+    deprecated = getattr(getattr(upstream, name), "__deprecated__", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(losses, name)(model)
+    ours = [w for w in caught if issubclass(w.category, DeprecationWarning) and "deprecated" in str(w.message)]
+    assert [str(w.message) for w in ours] == ([deprecated] if deprecated else [])
+    assert all(w.filename == __file__ for w in ours)

@@ -16,6 +16,7 @@ A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,6 +74,8 @@ def _subclass(upstream_class: type) -> type:
     )
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(upstream_class, "__deprecated__", None):  # upstream's deprecation, at the same call
+            warnings.warn(upstream_class.__deprecated__, DeprecationWarning, stacklevel=2)
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
@@ -97,7 +100,11 @@ def _subclass(upstream_class: type) -> type:
         "__qualname__": upstream_class.__name__,
         "st_ext_upstream_class": upstream_class,
     }
-    cls = type(upstream_class.__name__, (CachedRankingLoss, upstream_class), namespace)
+    with warnings.catch_warnings():
+        # A class upstream deprecates warns when subclassed too: at st_ext's import, not the user's use.
+        # Constructing st_ext's class warns instead, as constructing upstream's does.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cls = type(upstream_class.__name__, (CachedRankingLoss, upstream_class), namespace)
     return named_like_upstream(upstream_class)(cls)
 
 
