@@ -4,25 +4,49 @@
 PYTHON ?= python3
 VENV := .venv
 TORCH := torch==2.13.0
+# Where pip looks for torch: empty, the index pip is configured with. Where that index serves torch's
+# CUDA build (PyPI does, several GB with its NVIDIA packages), TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build instead; .../whl/cu128 a CUDA 12.8 build.
+TORCH_INDEX ?=
+TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 PYTEST_ARGS ?=
+# Exact versions of everything `make test` installs, transitive packages too; `make lock` refreshes them.
+LOCK := requirements/lock
 
-# One environment per point of the supported range; requirements/<env>.txt pins the versions.
+# One environment per point of the supported range; requirements/<env>.txt names the versions.
 ENVS := st6 st4 st5
+# The environments `make test` runs, each pinned by $(LOCK)/<env>.txt.
+TESTED_ENVS := st6 st4
 
-.PHONY: demo test test-st6 test-st4 test-st5 test-slow bench clean
+.PHONY: demo test lock test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
 
 # torch goes first, pinned: with it installed nothing below pulls a multi-GB CUDA build.
-$(VENV)/%/.ready: pyproject.toml requirements/%.txt requirements/test.txt
+.SECONDEXPANSION:
+$(VENV)/%/.ready: pyproject.toml requirements/%.txt requirements/test.txt $$(wildcard $(LOCK)/$$*.txt)
 	rm -rf $(VENV)/$*
 	$(PYTHON) -m venv $(VENV)/$*
-	$(VENV)/$*/bin/pip install -q $(TORCH)
-	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt -e .
+	$(VENV)/$*/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
+	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt $(if $(wildcard $(LOCK)/$*.txt),-c $(LOCK)/$*.txt) -e .
 	touch $@
 
-demo: $(VENV)/st6/.ready
-	$(VENV)/st6/bin/st-ext train
+# The demo gets what it needs and nothing more (no test tools), at the tested versions.
+$(VENV)/demo/.ready: pyproject.toml requirements/st6.txt $(LOCK)/st6.txt
+	rm -rf $(VENV)/demo
+	$(PYTHON) -m venv $(VENV)/demo
+	$(VENV)/demo/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
+	$(VENV)/demo/bin/pip install -q -r requirements/st6.txt -c $(LOCK)/st6.txt -e .
+	touch $@
 
-test: test-st6 test-st4
+demo: $(VENV)/demo/.ready
+	$(VENV)/demo/bin/st-ext train
+
+# Every tested environment runs, also after one failed; the target fails at the end if any did.
+test:
+	@failed=; for env in $(TESTED_ENVS); do $(MAKE) --no-print-directory test-$$env || failed="$$failed $$env"; done; \
+	if [ -n "$$failed" ]; then echo "== failed in:$$failed"; exit 1; fi
+
+lock:
+	tools/lock.sh $(PYTHON) $(TORCH) "$(TORCH_INDEX_ARGS)" $(TESTED_ENVS)
 
 # Phony targets skip implicit rules, so each test-<env> target is spelled out from one template.
 define test_env
@@ -35,8 +59,32 @@ $(foreach env,$(ENVS),$(eval $(call test_env,$(env))))
 test-slow: $(VENV)/st6/.ready
 	$(VENV)/st6/bin/python -m pytest -q -m slow $(PYTEST_ARGS)
 
+# By hand: the conformance tests on every minor release, one venv each under .venv/matrix/st-<minor>,
+# built by the stamp rule above from requirements/matrix/st-<minor>.txt. Goes on past a failing minor,
+# prints a line per minor, writes runs/test-matrix.md and fails at the end if any minor did.
+# `make test-matrix MATRIX="5.3 6.2"` runs a subset.
+MATRIX ?= $(patsubst requirements/matrix/st-%.txt,%,$(wildcard requirements/matrix/st-*.txt))
+
+test-matrix:
+	$(PYTHON) tools/test_matrix.py --venv $(VENV) $(MATRIX) -- $(PYTEST_ARGS)
+
 bench: $(VENV)/st6/.ready
 	for b in benchmarks/bench_*.py; do $(VENV)/st6/bin/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs
+
+# On a machine with one CUDA GPU and no network (README "Measuring on a GPU"): one part per command,
+# `make gpu-report PART=1` ... `PART=5` (PART=2 is 2a-2d; each piece under 8 minutes on an H100), or PART=all.
+# DRY_RUN=1 runs every part on the CPU with tiny sizes. Results: runs/gpu-report/part-<part>.md and .json.
+# The python: GPU_PYTHON, else .venv/st6's where it exists (here), else $(PYTHON) (the GPU machine's).
+PART ?= all
+GPU_REPORT_DIR ?= runs/gpu-report
+GPU_PYTHON ?= $(if $(wildcard $(VENV)/st6/bin/python),$(VENV)/st6/bin/python,$(PYTHON))
+
+gpu-report:
+	$(GPU_PYTHON) tools/gpu_report.py --part $(PART) --out $(GPU_REPORT_DIR) $(if $(DRY_RUN),--dry-run)
+
+# Here, with network: the wheels the GPU machine lacks, into .whl/ (within the 64 MiB a command carries).
+gpu-wheels:
+	bash tools/gpu_wheels.sh
