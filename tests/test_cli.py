@@ -448,3 +448,81 @@ def test_library_errors_name_python_arguments_not_flags():
                     if isinstance(part, ast.Constant) and isinstance(part.value, str) and re.search(r"(?<![\w-])--[a-z]", part.value):
                         flagged.append(f"{source.relative_to(package)}:{part.lineno}: {part.value}")
     assert flagged == []
+
+
+def test_the_uncached_reference_is_the_trained_loss_without_caching(model, guide):
+    """For every loss the command trains, the plot's dashed line is the same loss family without GradCache
+    (the same wrappers, the same guide), never a stand-in such as MNRL for GIST."""
+    from st_ext.cli.reference_peak import build_reference_loss, uncached_counterpart
+    from st_ext.losses.registry import MATRYOSHKA_PREFIX, build_loss, known_losses, loss_spec
+
+    wrappers = ("MatryoshkaLoss", "CrossBatchMemoryLoss")
+
+    def chain(loss):
+        """The loss's classes from the outermost wrapper to the loss over embeddings."""
+        names = [type(loss).__name__]
+        while names[-1] in wrappers:
+            loss = loss.loss
+            names.append(type(loss).__name__)
+        return names
+
+    compared = []
+    for name in known_losses():
+        spec = loss_spec(name)
+        if not (spec.trains_on(0) or spec.trains_on(1)):
+            continue
+        if not spec.cached:
+            assert uncached_counterpart(name) is None, name
+            continue
+        kwargs = {"mini_batch_size": 2, **({"guide": guide} if spec.guided else {})}
+        dims = [32, 16]
+        trained = build_loss(name, model, **kwargs, **({"matryoshka_dims": dims} if name.startswith(MATRYOSHKA_PREFIX) else {}))
+        reference = build_reference_loss(name, trained, model, dims)
+        expected = [class_name.removeprefix("Cached") for class_name in chain(trained)]
+        if name == "matryoshka_xbm_cached_mnrl":
+            # The registry has no Matryoshka over an uncached queue; the queue holds no graph.
+            expected.remove("CrossBatchMemoryLoss")
+        assert chain(reference) == expected, name
+        assert not loss_spec(uncached_counterpart(name)).cached and loss_spec(uncached_counterpart(name)).guided == spec.guided
+        if spec.guided:
+            inner = reference.loss if name.startswith(MATRYOSHKA_PREFIX) else reference
+            assert inner.guide is guide, "the trained loss's guide"
+        compared.append(name)
+    assert {"matryoshka_cached_gist", "cached_gist", "cached_mnrl", "matryoshka_cached_mnsrl", "xbm_cached_mnrl"} <= set(compared)
+
+
+#: How far the reference may be below the trained figure where caching cannot help (same batch, same
+#: forward and backward): the trained step also clips the gradients (a few scalars). The reference may be
+#: above it: upstream's Matryoshka over an uncached loss keeps every dimension's truncated copies.
+LIKE_FOR_LIKE_MARGIN = 0.02
+
+
+@pytest.mark.parametrize("loss, reference_loss", [("matryoshka_cached_mnrl", "matryoshka_mnrl"), ("matryoshka_cached_gist", "matryoshka_gist")])
+def test_where_caching_cannot_help_the_plot_compares_equal_figures(tiny_bert6_dir, pairs_file, tmp_path, monkeypatch, loss, reference_loss):
+    """One mini-batch holds the whole batch, so the cached loss does what the uncached one does: the
+    reference is not below the trained figure (neither counts the optimizer's first-step state, which on
+    this model and these short texts outweighs the activations), and the plot says what it counts and
+    which loss the dashed line is."""
+    from st_ext.cli import reporting
+    from st_ext.cli.reference_peak import FORWARD_BACKWARD_SHORT
+
+    figures = []
+    save = reporting._save
+    monkeypatch.setattr(reporting, "_save", lambda figure, path: figures.append(figure) or save(figure, path))
+    args = tiny_run_args(tiny_bert6_dir, pairs_file, tmp_path / "run", "--loss", loss)
+    args[args.index("--mini-batch-size") + 1] = "4"  # the batch size
+    args[args.index("--max-steps") + 1] = "1"
+    assert main(args) == 0
+    memory = json.loads((tmp_path / "run" / "metrics.json").read_text())["memory"]
+    reference = memory["uncached_reference"]
+    trained, uncached = reference["trained_loss_same_batch_mib"], reference["peak_mib"]
+    assert reference["loss"] == reference_loss and reference["counts"] == memory["forward_backward_counts"]
+    assert uncached >= (1 - LIKE_FOR_LIKE_MARGIN) * trained > 0, (trained, uncached)
+    assert memory["forward_backward_peak_mib"] == trained
+    assert memory["step_peak_mib"] > uncached, "the whole step, AdamW's state included: not what the plot compares"
+
+    [axes] = next(figure for figure in figures if "Peak memory" in figure.axes[0].get_title()).axes
+    assert FORWARD_BACKWARD_SHORT in axes.get_title() and "forward+backward" in axes.get_ylabel()
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend[0].startswith(f"{loss} (trained, cached)")
+    assert legend[1].startswith(f"{reference_loss}: {loss} without caching, on the first step's batch of 4: ")

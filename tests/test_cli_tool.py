@@ -203,33 +203,49 @@ def test_metrics_report_settings_data_memory_time_and_versions(tiny_bert_dir, tr
     assert metrics["data"]["train_rows"] + metrics["data"]["eval_pairs"] == 24
     memory = metrics["memory"]
     assert memory["step_peak_mib"] > 0 and memory["meter"] and "above the level at the start" in memory["counts"]
+    assert 0 < memory["forward_backward_peak_mib"] <= memory["step_peak_mib"]
     reference = memory["uncached_reference"]
     assert reference["loss"] == "matryoshka_mnrl" and reference["batch_size"] == 4 and reference["peak_mib"] > 0
+    assert reference["trained_loss"] == "matryoshka_cached_mnrl" and reference["batch"] == "the first step's batch"
+    assert reference["counts"] == memory["forward_backward_counts"], "the plot's two lines count the same"
     assert metrics["time"]["steps"] == 2 and metrics["time"]["seconds_per_step_median"] > 0
     assert metrics["versions"]["sentence_transformers"] == sentence_transformers.__version__
     # 5 held-out pairs: every figure moves in steps of 20%, and the run says so.
     assert any("only 5 held-out pairs" in warning for warning in metrics["warnings"])
-    assert "warning: only 5 held-out pairs" in printed and "reference: uncached matryoshka_mnrl, batch 4" in printed
+    assert "warning: only 5 held-out pairs" in printed
+    assert "matryoshka_mnrl (no caching), forward+backward on the first step's batch: " in printed
     header = (tmp_path / "run" / "memory_per_step.csv").read_text().splitlines()[0]
-    assert header == "step,peak_mib,seconds,device,meter"
+    assert header == "step,peak_mib,forward_backward_peak_mib,seconds,device,meter"
 
 
 def test_the_reference_peak_grows_with_the_batch_and_changes_nothing(tiny_bert_dir):
     from st_ext import SentenceTransformer
+    from st_ext._compat import preprocess
     from st_ext.cli.reference_peak import measure_reference_peak
+    from st_ext.losses.cross_batch_memory import memory_losses
+    from st_ext.losses.registry import build_loss
 
     model = SentenceTransformer(str(tiny_bert_dir), device="cpu")
     rows = [{"anchor": f"{s} {i}", "positive": f"{s} again {i}"} for i, s in enumerate(SENTENCES * 8)]
+
+    def features(batch):
+        return [preprocess(model, [row[column] for row in batch], "cpu") for column in ("anchor", "positive")]
+
+    trained = build_loss("xbm_cached_mnrl", model, mini_batch_size=2)
+    trained(features(rows[:4]), None).backward()  # a step's rows in its queue
+    queue = memory_losses(trained)["loss"].memory
     for parameter in model.parameters():
         parameter.grad = torch.full_like(parameter, 0.5)
     rng = torch.random.get_rng_state()
-    small = measure_reference_peak("cached_mnrl", model, rows[:4], [32], "cpu")
-    large = measure_reference_peak("cached_mnrl", model, rows[:32], [32], "cpu")
-    assert small.loss == "mnrl" and large.batch_size == 32
+    small = measure_reference_peak("xbm_cached_mnrl", trained, model, features(rows[:4]), None, [32], "cpu")
+    large = measure_reference_peak("xbm_cached_mnrl", trained, model, features(rows[:32]), None, [32], "cpu")
+    assert small.loss == "xbm_mnrl" and small.trained_loss == "xbm_cached_mnrl" and large.batch_size == 32
     assert large.peak_mib > 2 * small.peak_mib > 0
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters()), "the model's gradients"
     assert torch.equal(torch.random.get_rng_state(), rng)
-    assert measure_reference_peak("mnrl", model, rows[:4], [32], "cpu") is None, "nothing to compare a plain loss with"
+    assert memory_losses(trained)["loss"].memory is queue, "the trained loss's queue"
+    plain = build_loss("mnrl", model)
+    assert measure_reference_peak("mnrl", plain, model, features(rows[:4]), None, [32], "cpu") is None, "nothing to compare"
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from st_ext import losses
-from st_ext.losses.features import UnsliceableFeatureError, layout_of, select_rows, slice_rows
+from st_ext.losses.features import UnsliceableFeatureError, is_media_key, layout_of, select_rows, slice_rows
 from st_ext.losses.minibatches import can_merge, minibatch_features, plan_minibatches
 from loss_checks import NoDeviceReads, features_of, text_columns
 
@@ -279,6 +279,16 @@ def trimmed_like(upstream: dict, ours: dict) -> dict:
     return trimmed
 
 
+def without_empty_media(upstream: dict) -> dict:
+    """Upstream's slice without the empty image tensors releases before 6.2 keep for rows without images
+    (6.2 and st_ext leave those keys out: a model would be handed zero images)."""
+    return {
+        key: value
+        for key, value in upstream.items()
+        if not (isinstance(value, torch.Tensor) and value.numel() == 0 and is_media_key(key))
+    }
+
+
 @pytest.mark.parametrize("layout, seed", CASES, ids=[f"{layout.name}-{seed}" for layout, seed in CASES])
 def test_every_row_range_is_what_upstreams_engine_embeds(layout, seed):
     slicer = upstream_slicer()
@@ -291,7 +301,7 @@ def test_every_row_range_is_what_upstreams_engine_embeds(layout, seed):
     cut = layout_of(features)
     for begin, end in itertools.combinations(range(len(rows) + 1), 2):
         ours = slice_rows(features, begin, end, cut)
-        theirs = trimmed_like(slicer({k: v for k, v in features.items()}, begin, end), ours)
+        theirs = without_empty_media(trimmed_like(slicer(dict(features), begin, end), ours))
         assert_same_features(ours, theirs, f"rows {begin}:{end}")
 
 

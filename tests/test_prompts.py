@@ -23,8 +23,20 @@ from loss_checks import assert_same_grads, guide_from, loss_and_grads, text_colu
 
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 upstream = st_losses()
-#: 4.x's Pooling zeroes the prompt positions of the caller's attention mask; later releases copy it first.
-POOLING_EDITS_MASK_IN_PLACE = not hasattr(st_modules().Pooling, "_exclude_prompt_from_mask")
+
+
+def pooling_edits_callers_mask() -> bool:
+    """Whether the installed ``Pooling(include_prompt=False)`` leaves the caller's features with the prompt
+    positions of the attention mask zeroed (4.x and 5.3-5.6 zero the tensor, 5.7 puts a zeroed copy in
+    the caller's dict; 6.0 keeps it to itself): asked of Pooling itself, not of its version."""
+    pooling = st_modules().Pooling(4, pooling_mode="mean", include_prompt=False)
+    mask = torch.ones(1, 3, dtype=torch.long)
+    features = {"token_embeddings": torch.ones(1, 3, 4), "attention_mask": mask, "prompt_length": 1}
+    pooling(features)
+    return not (mask[0, 0] and features["attention_mask"][0, 0])
+
+
+POOLING_EDITS_CALLERS_MASK = pooling_edits_callers_mask()
 PROMPT = "query for the answer "
 #: Five rows in mini-batches of two: some mini-batches hold the end of one column and the start of the next.
 BATCH = 5
@@ -63,25 +75,26 @@ step = partial(loss_and_grads, train=False, featurize=prompted_features)
 
 @contextmanager
 def prompt_excluded_from_a_copy(model):
-    """Upstream's non-cached losses as 5.x and later run them: ``Pooling`` drops the prompt from a copy of
-    the mask. On 4.x it zeroes the caller's mask, which its ``GISTEmbedLoss`` then hands the guide
-    (st_ext's guide sees the prompt, as 5.x's does: see the README's differences). Elsewhere a no-op."""
-    if not POOLING_EDITS_MASK_IN_PLACE:
+    """Upstream's non-cached losses as 6.x runs them: every ``Pooling`` (the model's and a guide's) drops the
+    prompt from a copy of the mask. 4.x and 5.x zero the caller's mask, which their losses then hand the
+    next module (st_ext's guide sees the prompt, as 6.x's does: see the README's differences; 5.x's
+    exclusion also zeroes the prompt again in an edited mask). Elsewhere a no-op."""
+    if not POOLING_EDITS_CALLERS_MASK:
         yield
         return
-    pooling = model[1]
-    pool = pooling.forward
+    pooling_class = type(model[1])
+    pool = pooling_class.forward
 
-    def forward(features):
-        pooled = pool({**features, "attention_mask": features["attention_mask"].clone()})
+    def forward(self, features, *args, **kwargs):
+        pooled = pool(self, {**features, "attention_mask": features["attention_mask"].clone()}, *args, **kwargs)
         features.update((key, value) for key, value in pooled.items() if key != "attention_mask")
         return features
 
-    pooling.forward = forward
+    pooling_class.forward = forward
     try:
         yield
     finally:
-        del pooling.forward
+        pooling_class.forward = pool
 
 
 def reference_step(model, loss, columns, **kwargs):
@@ -162,7 +175,7 @@ def test_upstreams_4x_guide_loses_the_prompt(prompt_model, prompt_guide):
     columns = text_columns(BATCH, 2)
     loss = upstream.GISTEmbedLoss(prompt_model, prompt_guide)
     as_released = step(prompt_model, loss, columns)
-    if POOLING_EDITS_MASK_IN_PLACE:
+    if POOLING_EDITS_CALLERS_MASK:
         assert not torch.isclose(as_released[0], reference_step(prompt_model, loss, columns)[0], rtol=1e-4)
     else:
         assert_same_grads(as_released, reference_step(prompt_model, loss, columns))

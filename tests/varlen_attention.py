@@ -31,10 +31,13 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def flattening_supported() -> bool:
-    """Whether the installed sentence-transformers flattens inputs at all (5.4+)."""
+    """Whether the installed sentence-transformers flattens inputs for this plain-torch kernel: from 6.0 on,
+    its Transformer asks itself (``_is_flash_attention_requested``), which :func:`make_flattening` answers;
+    5.4-5.7 flatten only for an attention transformers itself counts as flash-attention."""
     from st_ext._compat import st_modules
 
-    return hasattr(st_modules().Transformer, "unpad_inputs")
+    transformer = st_modules().Transformer
+    return hasattr(transformer, "unpad_inputs") and hasattr(transformer, "_is_flash_attention_requested")
 
 
 def make_flattening(model):

@@ -31,7 +31,7 @@ from st_ext.cli.data import Columns, check_data_path, read_rows, training_rows
 from st_ext.cli.errors import ConfigError
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.hub import looks_like_hub_id, model_config
-from st_ext.cli.reference_peak import measure_reference_peak
+from st_ext.cli.reference_peak import FORWARD_BACKWARD, UncachedReference
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
 from st_ext.cli.trainer_args import (
     checkpoint_folder,
@@ -319,8 +319,6 @@ def _run(config, settings, output_dir: Path, checkpoint: str | None, resumed_ste
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     before = evaluate(model, evaluators, epoch=0, steps=0)
-    first_batch = train_dataset.select(range(min(settings["per_device_train_batch_size"], len(train_dataset))))
-    reference = measure_reference_peak(config.loss, model, first_batch.to_list(), dims, device)
 
     loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
     recorder = StepMemoryRecorder(device)
@@ -336,6 +334,8 @@ def _run(config, settings, output_dir: Path, checkpoint: str | None, resumed_ste
             callbacks=[recorder],
             frozen_encoders=frozen_encoders,
         )
+        uncached = UncachedReference(config.loss, trainer, dims, device)
+        recorder.before_first_step = uncached.before_first_step
         for report in trainer.frozen_encoder_reports:
             if verbose:
                 print(report)
@@ -366,14 +366,30 @@ def _run(config, settings, output_dir: Path, checkpoint: str | None, resumed_ste
     after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
+    reference = uncached.result
     report = run_report(config, settings, data_report, recorder, reference, auto, trainer)
-    written = _publish_results(output_dir, model, before, after, recorder, reference, report)
-    print(f"\npeak memory per step: max {report['memory']['step_peak_mib']:.1f} MiB ({report['memory']['meter']})")
-    if reference is not None:
-        print(f"   reference: {reference.label()}")
+    written = _publish_results(output_dir, model, before, after, recorder, reference, report, config.loss)
+    for line in memory_summary(report["memory"], config.loss):
+        print(line)
     for name, path in written.items():
         print(f"{name:>12}: {path}")
     return {"before": before, "after": after, "written": written, "peak_mib": report["memory"]["step_peak_mib"]}
+
+
+def memory_summary(memory: dict[str, Any], loss: str) -> list[str]:
+    """The console's memory lines: the figures the plot compares, then the whole step's."""
+    fb = memory["forward_backward_peak_mib"]
+    lines = [f"\npeak memory per step ({memory['meter']}; MiB above the level at the step's start):"]
+    if fb is not None:
+        lines.append(f"  {loss}, forward+backward (optimizer excluded): max {fb:.1f} MiB")
+    reference = memory["uncached_reference"]
+    if reference is not None:
+        measured = "out of memory" if reference["peak_mib"] is None else f"{reference['peak_mib']:.1f} MiB"
+        same = reference["trained_loss_same_batch_mib"]
+        trained = "" if same is None else f" ({loss} on that batch: {same:.1f} MiB)"
+        lines.append(f"  {reference['loss']} (no caching), forward+backward on {reference['batch']}: {measured}{trained}")
+    lines.append(f"  whole step, the optimizer's update and state included: max {memory['step_peak_mib']:.1f} MiB")
+    return lines
 
 
 def saves_checkpoints_with(settings: dict[str, Any]) -> bool:
@@ -415,14 +431,24 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
     report included, which the console shows with ``--verbose`` only), time, versions."""
     steps = recorder.rows
     seconds = sorted(row["seconds"] for row in steps)
+    forward_backward = [row["forward_backward_peak_mib"] for row in steps if row["forward_backward_peak_mib"] is not None]
     return {
         "settings": {**dataclasses.asdict(config), "trainer": _jsonable(settings)},
         "data": {key: value for key, value in data_report.items() if key != "warnings"},
         "memory": {
             "step_peak_mib": max((row["peak_mib"] for row in steps), default=0.0),
             "meter": steps[0]["meter"] if steps else "no steps",
-            "counts": "peak tensor memory above the level at the start of each optimizer step",
-            "uncached_reference": None if reference is None else dataclasses.asdict(reference),
+            "counts": (
+                "peak tensor memory above the level at the start of each optimizer step, the whole step: forward, "
+                "backward, gradient clipping and the optimizer's update (its state is allocated in the first step)"
+            ),
+            "forward_backward_peak_mib": max(forward_backward, default=None),
+            "forward_backward_counts": FORWARD_BACKWARD,
+            "uncached_reference": None if reference is None else {
+                **dataclasses.asdict(reference),
+                # The trained loss's figure on the same batch, counted the same way: what caching saved there.
+                "trained_loss_same_batch_mib": steps[0]["forward_backward_peak_mib"] if steps else None,
+            },
             "auto_mini_batch": None if auto is None or auto.choice is None else str(auto.choice),
             "frozen_encoders": {
                 "mode": getattr(trainer, "frozen_encoders", None),
@@ -537,7 +563,7 @@ class ResultsNotWritten(ConfigError):
 
 
 def _publish_results(
-    output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder, reference, report: dict
+    output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder, reference, report: dict, loss: str
 ) -> dict[str, Path]:
     """Write every result into a staging folder, then put them all in place at once (:mod:`st_ext.cli.publishing`).
 
@@ -550,7 +576,7 @@ def _publish_results(
             "model": staging / "model",
             "metrics": write_metrics(staging / "metrics.json", before, after, report),
             "memory_csv": recorder.write_csv(staging / "memory_per_step.csv"),
-            "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows, reference),
+            "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows, reference, loss),
             "metric_plot": plot_metric_by_dim(staging / "ndcg_by_dim.png", before, after),
         }
     except OSError as error:

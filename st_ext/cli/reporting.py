@@ -12,6 +12,7 @@ import io
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from transformers import TrainerCallback
 
@@ -26,27 +27,52 @@ def write_file(path: Path, data: bytes | str) -> Path:
 
 
 class StepMemoryRecorder(TrainerCallback):
-    """Measures each optimizer step's peak memory with :func:`st_ext.memory.measure_peak`."""
+    """Measures each optimizer step with :func:`st_ext.memory.measure_peak` twice over: the whole step
+    (``peak_mib``: what ``mini_batch_size="auto"``'s budget bounds), and its part up to the optimizer's
+    update (``forward_backward_peak_mib``: the loss's forward and backward, gradients included, which is
+    what caching changes; None where the trainer gave no ``on_pre_optimizer_step``).
 
-    def __init__(self, device):
+    ``before_first_step`` runs once, before the first step's measurement opens (the uncached reference
+    is measured there, on that step's batch).
+    """
+
+    def __init__(self, device, before_first_step: Callable[[], None] | None = None):
         self.device = device
         self.rows: list[dict] = []
+        self.before_first_step = before_first_step
         self._active: contextlib.AbstractContextManager | None = None
         self._peak: PeakMemory | None = None
+        self._inner: contextlib.AbstractContextManager | None = None
+        self._inner_peak: PeakMemory | None = None
+        self._forward_backward: float | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.before_first_step is not None:
+            first, self.before_first_step = self.before_first_step, None
+            first()
         self._active = measure_peak(self.device)
         self._peak = self._active.__enter__()
+        self._inner = measure_peak(self.device)
+        self._inner_peak = self._inner.__enter__()
+        self._forward_backward = None
         self._started = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._inner is not None:
+            self._inner.__exit__(None, None, None)
+            self._forward_backward = round(self._inner_peak.peak_mib, 2)
+            self._inner = self._inner_peak = None
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._active is None:
             return
+        self._close_inner()
         self._active.__exit__(None, None, None)
         self.rows.append(
             {
                 "step": state.global_step,
                 "peak_mib": round(self._peak.peak_mib, 2),
+                "forward_backward_peak_mib": self._forward_backward,
                 "seconds": round(time.perf_counter() - self._started, 4),
                 "device": str(self._peak.device),
                 "meter": self._peak.meter,
@@ -54,19 +80,31 @@ class StepMemoryRecorder(TrainerCallback):
         )
         self._active = self._peak = None
 
+    def _close_inner(self) -> None:
+        """Close the forward-and-backward window if the optimizer's update did not (measurements nest: it
+        closes before the step's); it spanned the whole step then, so it records nothing."""
+        if self._inner is not None:
+            inner, self._inner, self._inner_peak = self._inner, None, None
+            inner.__exit__(None, None, None)
+
     def stop(self) -> None:
         """End the measurement of a step that will not end (an interrupt, an error), unrecorded: on the
         CPU the profiler would otherwise run on and warn about each block freed while the process exits."""
+        self._close_inner()
         if self._active is not None:
             active, self._active, self._peak = self._active, None, None
             active.__exit__(None, None, None)
 
     def write_csv(self, path: Path) -> Path:
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=["step", "peak_mib", "seconds", "device", "meter"])
+        writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(self.rows)
         return write_file(path, buffer.getvalue())
+
+
+#: The per-step CSV's columns.
+CSV_COLUMNS = ["step", "peak_mib", "forward_backward_peak_mib", "seconds", "device", "meter"]
 
 
 def write_metrics(path: Path, before: dict, after: dict, report: dict | None = None) -> Path:
@@ -80,21 +118,40 @@ def write_metrics(path: Path, before: dict, after: dict, report: dict | None = N
 MEMORY_MEANING = "peak above the level at step start"
 
 
-def plot_memory(path: Path, rows: list[dict], reference=None) -> Path:
-    """Peak memory per optimizer step from zero, and the uncached loss's peak at the same batch
-    (a :class:`~st_ext.cli.reference_peak.ReferencePeak`) as a dashed line, as a PNG."""
+def plot_memory(path: Path, rows: list[dict], reference=None, loss: str = "trained loss") -> Path:
+    """:func:`memory_figure` as a PNG."""
+    return _save(memory_figure(rows, reference, loss), path)
+
+
+def memory_figure(rows: list[dict], reference=None, loss: str = "trained loss"):
+    """Each step's forward-and-backward peak of ``loss`` from zero and, as a dashed line, the same figure of
+    the loss without caching on the first step's batch (a :class:`~st_ext.cli.reference_peak.ReferencePeak`).
+    Both count the same (:data:`~st_ext.cli.reference_peak.FORWARD_BACKWARD`); the whole
+    step's peak, the optimizer's update and state included, is the CSV's ``peak_mib``."""
+    from matplotlib.ticker import MaxNLocator
+
+    from st_ext.cli.reference_peak import FORWARD_BACKWARD_SHORT
+
     figure, axes = _figure()
-    axes.plot([r["step"] for r in rows], [r["peak_mib"] for r in rows], marker="o", label="st_ext step peak")
-    tops = [r["peak_mib"] for r in rows]
+    figure.set_size_inches(6.4, 4.8)
+    measured = [r for r in rows if r.get("forward_backward_peak_mib") is not None]
+    tops = [r["forward_backward_peak_mib"] for r in measured]
+    axes.plot([r["step"] for r in measured], tops, marker="o", label=f"{loss} (trained{', cached' if reference is not None else ''}), each step's batch")
     if reference is not None and reference.peak_mib is not None:
         axes.axhline(reference.peak_mib, linestyle="--", color="tab:red", label=reference.label())
         tops.append(reference.peak_mib)
+    elif reference is not None:  # out of memory: no line, but the legend says so
+        axes.plot([], [], linestyle="--", color="tab:red", label=reference.label())
+    else:
+        axes.plot([], [], linestyle="--", color="tab:red", label=f"no uncached reference: {loss} does not cache")
     axes.set_ylim(0, max(tops, default=1.0) * 1.15 or 1.0)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel(f"memory, MiB ({MEMORY_MEANING})")
-    axes.set_title(f"Peak memory per step ({rows[0]['meter'] if rows else 'no steps'})", fontsize=9)
-    axes.legend(fontsize=8, loc="best")
-    return _save(figure, path)
+    axes.set_ylabel(f"MiB: forward+backward {MEMORY_MEANING}", fontsize=9)
+    meter = rows[0]["meter"] if rows else "no steps"
+    axes.set_title(f"Peak memory per step, both lines: {FORWARD_BACKWARD_SHORT}\n({meter})", fontsize=8)
+    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    return figure
 
 
 def plot_metric_by_dim(path: Path, before: dict, after: dict, metric: str = "ndcg@10") -> Path:

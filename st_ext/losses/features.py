@@ -155,7 +155,7 @@ def layout_of(features: Features) -> ColumnLayout:
             cuts[key] = TOKEN
         elif value.shape[0] == rows:
             cuts[key] = ROW
-            if width is not None and value.ndim >= 2 and value.shape[1] == width and not _is_media_key(key):
+            if width is not None and value.ndim >= 2 and value.shape[1] == width and not is_media_key(key):
                 token_axis_keys.add(key)
         else:
             raise UnsliceableFeatureError(
@@ -169,7 +169,7 @@ def layout_of(features: Features) -> ColumnLayout:
     return ColumnLayout(rows, cuts, offsets, frozenset(token_axis_keys), **text)
 
 
-def _is_media_key(key: str) -> bool:
+def is_media_key(key: str) -> bool:
     """Keys of images and videos: never a token axis, whatever their shape."""
     media_keys = {key for entry in MEDIA_GRIDS for key in entry[:3]} | {*PER_IMAGE_KEYS, *SAMPLE_FIRST_IMAGE_KEYS}
     return key.startswith("pixel_") or key in media_keys
@@ -368,7 +368,7 @@ def row_keys(features: Features) -> list[bytes]:
         keys = [ids.tobytes() for ids in row_token_ids(features)]
     else:
         keys = [b""] * batch_size_of(features)
-    media = [key for key in features if _is_media_key(key) and isinstance(features[key], Tensor)]
+    media = [key for key in features if is_media_key(key) and isinstance(features[key], Tensor)]
     if not media:
         return keys
     layout = layout_of(features)

@@ -55,6 +55,8 @@ class LayerEmbeddings:
         base = unwrapped_model(model)
         transformer, tail = base[0], list(base)[1:]
         captured: dict = {}
+        # What the collator made, before a module edits it in place (5.x's prompt exclusion is not idempotent).
+        inputs = {key: value.clone() for key, value in features.items() if _is_integer_tensor(value)}
         handle = transformer.register_forward_hook(lambda module, args, output: captured.update(output))
         try:
             with hidden_states_on(transformer):
@@ -70,7 +72,8 @@ class LayerEmbeddings:
         self._check_layers(len(hidden_states))
         outputs = [final]
         for layer in self.layers:
-            layer_features = {**captured, "token_embeddings": hidden_states[layer]}
+            copies = {key: value.clone() for key, value in inputs.items()}
+            layer_features = {**captured, **copies, "token_embeddings": hidden_states[layer]}
             for module in tail:
                 layer_features = module(layer_features)
             outputs.append(layer_features["sentence_embedding"])
@@ -85,3 +88,7 @@ class LayerEmbeddings:
                 f"The model returned {num_hidden_states} hidden states after {self.num_hidden_states} earlier in "
                 "the same step; a layer-wise loss needs the same layers in every forward pass."
             )
+
+
+def _is_integer_tensor(value: object) -> bool:
+    return isinstance(value, Tensor) and not value.is_floating_point() and not value.is_complex()
