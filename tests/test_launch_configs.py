@@ -1,4 +1,4 @@
-"""The launch configurations in ``examples/`` that the README's sharded-training recipes name: each loads
+"""The launch configurations in ``examples/`` that the sharded-training recipes in docs/distributed.md name: each loads
 with the tool that reads it, and asks for what the README says it does."""
 
 from __future__ import annotations

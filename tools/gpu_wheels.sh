@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with network, what the GPU machine (Python 3.12, x86-64, its own CUDA torch, no
 # network) lacks to run `make gpu-report`: wheels in .whl/ (ignored by git), at most 64 MiB together
-# with the checkout, since that is what one command there may carry. See README "Measuring on a GPU".
+# with the checkout, since that is what one command there may carry. See docs/measuring.md.
 #
 #   bash tools/gpu_wheels.sh          # or: make gpu-wheels
 #
