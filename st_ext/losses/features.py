@@ -57,6 +57,10 @@ MEDIA_GRIDS = (
 PER_IMAGE_KEYS = ("pixel_values", "image_position_ids", "image_sizes")
 #: Keys of processors that pad images per row (Idefics3, Mllama): their image keys are row-first.
 SAMPLE_FIRST_IMAGE_KEYS = ("pixel_attention_mask", "aspect_ratio_ids")
+#: Every key :func:`is_media_key` knows by name (besides ``pixel_*``).
+_MEDIA_KEYS = frozenset(
+    {key for entry in MEDIA_GRIDS for key in entry[:3]} | {*PER_IMAGE_KEYS, *SAMPLE_FIRST_IMAGE_KEYS}
+)
 #: Positions scored although their attention mask is 0 (ColBERT query expansion): never trimmed away.
 SCORED_PADDING_KEY = "query_expansion_positions"
 
@@ -171,8 +175,7 @@ def layout_of(features: Features) -> ColumnLayout:
 
 def is_media_key(key: str) -> bool:
     """Keys of images and videos: never a token axis, whatever their shape."""
-    media_keys = {key for entry in MEDIA_GRIDS for key in entry[:3]} | {*PER_IMAGE_KEYS, *SAMPLE_FIRST_IMAGE_KEYS}
-    return key.startswith("pixel_") or key in media_keys
+    return key.startswith("pixel_") or key in _MEDIA_KEYS
 
 
 def _padded_text_facts(features: Features) -> dict[str, Any]:
