@@ -8,7 +8,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 import st_ext
-from st_ext import checkpointing
+from st_ext import checkpointing, losses
 from st_ext._compat import CROSS_ENCODER_HAS_CHECKPOINTING, st_losses
 from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 
@@ -143,3 +143,17 @@ def test_loss_by_registered_name(tiny_bert_dir, tmp_path):
     with pytest.raises(ValueError, match="Unknown loss 'mnlr'"):
         st_ext.SentenceTransformerTrainer(model=model, args=trainer.args, train_dataset=pair_dataset(), loss="mnlr")
 
+
+def test_the_size_auto_chose_is_logged_with_the_run_once_per_choice(tiny_bert_dir, tmp_path):
+    """A Trainer user sees the chosen mini-batch size where the run's other numbers are (its log history,
+    the console, the reporting integrations), and once per choice rather than at every step."""
+    model = sentence_transformer_from(tiny_bert_dir)
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=4096)
+    args = training_args(
+        st_ext.SentenceTransformerTrainingArguments, tmp_path / "out", gradient_checkpointing=False, max_steps=3
+    )
+    loss = losses.MatryoshkaLoss(model, inner, [32, 16])
+    trainer = st_ext.SentenceTransformerTrainer(model=model, args=args, train_dataset=pair_dataset(), loss=loss)
+    trainer.train()
+    logged = [entry["mini_batch_size"] for entry in trainer.state.log_history if "mini_batch_size" in entry]
+    assert logged == [inner.auto_mini_batch.choice.size]

@@ -35,6 +35,7 @@ from st_ext.training.deepspeed import check_deepspeed_setup
 from st_ext.training.frozen_encoders import (
     apply_frozen_encoder_mode,
     each_loss,
+    named_losses,
     require_resident,
     validate_frozen_encoder_mode,
 )
@@ -175,6 +176,18 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
             if auto is not None:
                 auto.optimizer = optimizer
         return optimizer
+
+    def log(self, logs, *args, **kwargs):
+        """Upstream's ``log``; a size ``mini_batch_size="auto"`` chose since the last log joins the logged
+        values (console, ``trainer_state.json``, the reporting integrations), where the other numbers of
+        the run are: once per choice, not at every step."""
+        logged = self.__dict__.setdefault("_logged_auto_choices", {})
+        for name, loss in named_losses(self.loss):
+            auto = auto_mini_batch_of(loss)
+            if auto is not None and auto.choice is not None and logged.get(name) is not auto.choice:
+                logs["mini_batch_size" + (f"/{name}" if name else "")] = auto.choice.size
+                logged[name] = auto.choice
+        return super().log(logs, *args, **kwargs)
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Upstream's ``save_model``; inside a checkpoint, the cross-batch memories are written with the model,
