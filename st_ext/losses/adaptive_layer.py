@@ -21,7 +21,7 @@ hidden states upstream samples, how it weighs them and whether the KL teacher is
 the installed release (:class:`st_ext._compat.AdaptiveLayerRules`) and are followed here.
 
 Over ``CrossBatchMemoryLoss`` (around a cached ranking loss) each layer ranks against its own queue
-of that layer's embeddings from earlier steps (:mod:`st_ext.losses.layerwise_inner`). Over a loss
+of that layer's embeddings from earlier steps (:func:`~st_ext.losses.cross_batch_memory.with_queue`). Over a loss
 that does not cache, upstream's forward runs; ``Matryoshka2dLoss`` builds st_ext's ``MatryoshkaLoss``
 (with its argument checks), and a memory around a non-cached loss is refused.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -40,11 +41,9 @@ from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
 from st_ext.losses._signatures import named_like_upstream, upstream_parameters
-from st_ext.losses.cached_adapters import register_cached_loss
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
-from st_ext.losses.layerwise_inner import LayerwiseInner, layerwise_inner, runs_layerwise
 from st_ext.losses.matryoshka import PLACEHOLDER_LOSS, MatryoshkaLoss
 
 _upstream = st_losses()
@@ -66,7 +65,7 @@ class LayerStep:
     ``[final layer's reps, first sampled layer's reps, …]``.
     """
 
-    def __init__(self, wrapper: nn.Module, inner: LayerwiseInner) -> None:
+    def __init__(self, wrapper: nn.Module, inner: LossStep) -> None:
         self.wrapper = wrapper
         self.inner = inner
         self.final_fn: LossFn | None = None
@@ -106,7 +105,6 @@ class LayerStep:
                 kl.backward()
                 kl = kl.detach()
             total = total + kl
-        self.inner.finish([None, *self.layers], outputs)
         return total
 
     def _kl_terms(self, final: Reps, layers: list[Reps]) -> Tensor:
@@ -126,13 +124,24 @@ class LayerStep:
 # The losses
 
 
+def over_layers(description: CachedLoss, wrapper: nn.Module) -> CachedLoss:
+    """``description`` trained at the final layer and at the layers ``wrapper`` draws, each call of its
+    loss over embeddings drawn for its layer, with the KL term between them."""
+
+    def layered(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        layers = LayerStep(wrapper, step)
+        return replace(
+            step, draw=lambda layer: layers.loss_from_layers, encoder=LayerEmbeddings(layers.choose), over_layers=True
+        )
+
+    return with_loss(description, type(wrapper).__name__, layered)
+
+
 class LayerwiseGradCache:
     """What both classes add to their upstream base: GradCache over layers when the wrapped loss caches."""
 
     def _set_up(self, model: nn.Module, loss: nn.Module, arguments: dict[str, Any]) -> None:
-        layerwise = runs_layerwise(loss)
-        if not layerwise:
-            _refuse_cross_batch_memory(type(self).__name__, loss)
+        layerwise = as_cached_loss(loss) is not None
         _upstream.AdaptiveLayerLoss.__init__(self, model, PLACEHOLDER_LOSS() if layerwise else loss, **arguments)
         self.loss = loss
         self.uses_gradient_cache = layerwise
@@ -140,24 +149,7 @@ class LayerwiseGradCache:
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         if not self.uses_gradient_cache:
             return super().forward(sentence_features, labels)
-        sentence_features = list(sentence_features)
-        inner = layerwise_inner(self.loss, sentence_features)
-        step = LayerStep(self, inner)
-        return gradcache_forward(
-            inner.view, sentence_features, labels, step.loss_from_layers, encoder=LayerEmbeddings(step.choose)
-        )
-
-
-def _refuse_cross_batch_memory(wrapper: str, loss: nn.Module) -> None:
-    """Upstream's wrapper would run the memory once per layer, queueing every layer's embeddings into one
-    queue: refused rather than trained that way."""
-    inner = loss.loss if isinstance(loss, MatryoshkaLoss) else loss
-    if isinstance(inner, CrossBatchMemoryLoss):
-        raise TypeError(
-            f"{wrapper} supports CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (each layer gets "
-            f"its own queue), not over {type(inner.loss).__name__}. For MultipleNegativesRankingLoss use "
-            "CachedMultipleNegativesRankingLoss; with mini_batch_size at least the batch size it runs in one pass."
-        )
+        return gradcache_forward(over_layers(as_cached_loss(self.loss), self), sentence_features, labels)
 
 
 def _bound_arguments(upstream_class: type, args: tuple, kwargs: dict) -> dict[str, Any]:

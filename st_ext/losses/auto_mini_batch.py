@@ -383,30 +383,21 @@ class MiniBatching:
     checkpointing: bool = False
 
 
-@contextlib.contextmanager
-def resolved_mini_batch_size(
+def resolve_mini_batching(
     loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
-) -> Iterator[MiniBatching]:
-    """This batch's :class:`MiniBatching`, ``"auto"`` resolved. While the block runs, the loss's own
-    ``mini_batch_size`` reads the resolved size (its loss-over-embeddings chunks by it), and reads
-    ``"auto"`` again afterwards."""
-    holder = getattr(loss, "settings_holder", loss)
-    if holder.mini_batch_size != AUTO:
-        yield MiniBatching(loss.mini_batch_size, getattr(loss, "mini_batch_num_tokens", None))
-        return
+) -> MiniBatching:
+    """This batch's :class:`MiniBatching` for a :class:`~st_ext.losses.cached_loss.CachedLoss`, ``"auto"``
+    resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
+    if loss.mini_batch_size != AUTO:
+        return MiniBatching(loss.mini_batch_size, loss.mini_batch_num_tokens)
     if parameters_sharded(loss.model):
         raise ValueError(
-            f"{type(loss).__name__}: mini_batch_size='auto' measures each rank on its own, which a model whose "
+            f"{loss.name}: mini_batch_size='auto' measures each rank on its own, which a model whose "
             "parameters are sharded across ranks (FSDP, DeepSpeed ZeRO-3) cannot do: every forward pass is a "
             "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
         )
-    state = holder.auto_mini_batch
-    size = state.size_for(loss.model, sentence_features, layouts)
-    holder.mini_batch_size = size
-    try:
-        yield MiniBatching(size, None, state.choice.checkpointing)
-    finally:
-        holder.mini_batch_size = AUTO
+    size = loss.auto.size_for(loss.model, sentence_features, layouts)
+    return MiniBatching(size, None, loss.auto.choice.checkpointing)
 
 
 def auto_state(mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None) -> AutoMiniBatch | None:

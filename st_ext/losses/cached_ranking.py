@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
 
-from st_ext._compat import st_losses
+from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses._signatures import named_like_upstream, upstream_parameters
 from st_ext.losses.auto_mini_batch import AUTO, auto_state
-from st_ext.losses.cached_adapters import UpstreamCachedLoss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described, register_cached_loss
 from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -58,7 +60,44 @@ class CachedRankingLoss:
             raise ValueError(f"Expected at least 2 inputs, got {len(sentence_features)}")
         if upstream_hook_overrides(self, self.st_ext_upstream_class):
             return super().forward(sentence_features, labels)
-        return gradcache_forward(UpstreamCachedLoss(self, as_decorated=True), sentence_features, labels)
+        return gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
+
+
+def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
+    """An upstream cached ranking loss described: ``CachedMultipleNegatives(Symmetric)RankingLoss`` and,
+    on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
+
+    Its loss over embeddings is the class's ``calculate_loss``, not the instance's, so an instance that
+    upstream's ``MatryoshkaLoss`` already decorated is not truncated a second time; with ``as_decorated``,
+    the instance's (the loss runs itself, and upstream's wrapper may have decorated it).
+    """
+    mixin = upstream_cached_loss_mixin()
+    # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
+    takes_labels = mixin is not None and isinstance(loss, mixin)
+
+    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        def loss_fn(reps: Reps, frozen, labels, *, with_backward: bool, embedding_map=None) -> Tensor:
+            calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
+            with _chunking_by(loss, mini_batch_size):
+                return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+
+        return LossStep(lambda layer: loss_fn)
+
+    return described(loss, start)
+
+
+@contextmanager
+def _chunking_by(loss: nn.Module, mini_batch_size: int) -> Iterator[None]:
+    """Upstream's ``calculate_loss`` scores its anchors ``self.mini_batch_size`` at a time. Where that reads
+    ``"auto"`` (st_ext's classes only), it reads the size resolved for this batch during the call."""
+    if loss.mini_batch_size != AUTO:
+        yield
+        return
+    loss.mini_batch_size = mini_batch_size
+    try:
+        yield
+    finally:
+        loss.mini_batch_size = AUTO
 
 
 def _subclass(upstream_class: type) -> type:
@@ -112,3 +151,18 @@ CachedMultipleNegativesRankingLoss: type[nn.Module] = _subclass(_upstream.Cached
 CachedMultipleNegativesSymmetricRankingLoss: type[nn.Module] = _subclass(
     _upstream.CachedMultipleNegativesSymmetricRankingLoss
 )
+
+
+def _register_upstream_losses() -> None:
+    mixin = upstream_cached_loss_mixin()
+    if mixin is not None:  # a loss on the shared base that marks itself as caching
+        register_cached_loss(
+            mixin, lambda loss: upstream_cached_loss(loss) if getattr(loss, "uses_gradient_cache", False) else None
+        )
+    for name in ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss"):
+        upstream_class = upstream_loss_class(name)
+        if upstream_class is not None:
+            register_cached_loss(upstream_class, upstream_cached_loss)
+
+
+_register_upstream_losses()

@@ -41,7 +41,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,15 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from st_ext._compat import is_gradient_caching, st_losses
-from st_ext.losses.cached_adapters import cached_loss_view
+from st_ext.losses.cached_loss import (
+    CachedLoss,
+    LossFn,
+    LossStep,
+    as_cached_loss,
+    register_cached_loss,
+    with_loss,
+    wrapped_model,
+)
 from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
 from st_ext.losses.gradcache import (
     Features,
@@ -280,94 +288,92 @@ def ranking_batch(loss: nn.Module, sentence_features: list[Features], mask_own_p
     return RankingBatch(keys, keys[0] if mask_own_positive else None, settings)
 
 
-#: A MatryoshkaLoss around the memory: turns the loss over embeddings into the loss over every truncation
-#: of them (the queue is then truncated alike, :func:`memory_ranking_fn`).
-LossTransform = Callable[[Callable[..., Tensor]], Callable[..., Tensor]]
-
-
-def ranking_step(
-    loss: nn.Module,
-    model: nn.Module,
-    sentence_features: list[Features],
-    bank: MemoryBank,
-    mask_own_positive: bool,
-    transform: LossTransform | None = None,
+def uncached_ranking_step(
+    loss: nn.Module, model: nn.Module, sentence_features: list[Features], bank: MemoryBank, mask_own_positive: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss value, documents to enqueue, their keys) for MNRL or cached MNRL with the queue; ``transform``
-    applies to the cached loss's loss over embeddings."""
+    """(loss value, documents to enqueue, their keys) for MNRL with the queue, in one forward pass with a graph."""
     batch = ranking_batch(loss, sentence_features, mask_own_positive)
-    if is_gradient_caching(loss):
-        value, documents = cached_ranking_step(loss, sentence_features, bank, batch, transform)
-    else:
-        embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
-        memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
-        value = ranking_loss(
-            [[embedding] for embedding in embeddings],
-            memory_embeddings,
-            memory_keys,
-            batch.positive_keys,
-            chunk_size=len(embeddings[0]),
-            with_backward=False,
-            **batch.settings,
-        )
-        documents = torch.cat(embeddings[1:]).detach()
+    embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
+    memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
+    value = ranking_loss(
+        [[embedding] for embedding in embeddings],
+        memory_embeddings,
+        memory_keys,
+        batch.positive_keys,
+        chunk_size=len(embeddings[0]),
+        with_backward=False,
+        **batch.settings,
+    )
+    documents = torch.cat(embeddings[1:]).detach()
     return value, documents, batch.row_keys(documents.device)
 
 
-def memory_ranking_fn(bank: MemoryBank, batch: RankingBatch, view: Any, *, truncated: bool = False) -> Callable[..., Tensor]:
-    """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates (GradCache's
-    loss-over-embeddings contract). With ``truncated`` (a Matryoshka loss around the memory, which
-    truncates and re-normalises the batch's embeddings at every dimension, the full one included), the
-    queue is truncated and re-normalised the same way."""
+def memory_ranking_fn(bank: MemoryBank, batch: RankingBatch, chunk_size: int, show_progress_bar: bool) -> LossFn:
+    """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates. A wrapper's
+    ``embedding_map`` (Matryoshka's truncation and re-normalisation) applies to the queue as to the batch."""
 
-    def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+    def loss_with_memory(
+        reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
+    ) -> Tensor:
         queue = bank
-        if truncated and bank.rows:
-            dim = reps[0][0].shape[-1]
-            queue = MemoryBank(F.normalize(bank.embeddings[:, :dim], p=2, dim=-1), bank.labels)
+        if embedding_map is not None and bank.rows:
+            queue = MemoryBank(embedding_map(bank.embeddings), bank.labels)
         memory_embeddings, memory_keys = memory_like(queue, reps[0][0])
         return ranking_loss(
             reps,
             memory_embeddings,
             memory_keys,
             batch.positive_keys,
-            chunk_size=view.mini_batch_size,
+            chunk_size=chunk_size,
             with_backward=with_backward,
-            show_progress_bar=view.show_progress_bar,
+            show_progress_bar=show_progress_bar,
             **batch.settings,
         )
 
     return loss_with_memory
 
 
-def cached_ranking_step(
-    loss: nn.Module,
-    sentence_features: list[Features],
-    bank: MemoryBank,
-    batch: RankingBatch,
-    transform: LossTransform | None = None,
-) -> tuple[Tensor, Tensor]:
-    """GradCache with the queue inside the loss over embeddings; also returns the no-grad documents.
+def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedLoss:
+    """The cached ranking loss ``description`` with ``memory``'s queues: each call of its loss over
+    embeddings ranks against the queue of its layer (the model's output, or a layer a layer-wise loss
+    draws), and once the step's loss is computed each layer's documents join that layer's queue. The
+    documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the gradients
+    were computed for. Read and written on training steps only."""
 
-    The documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the
-    gradients were computed for. The model and mini-batch settings are the wrapped loss's, read
-    through its registered adapter (:mod:`st_ext.losses.cached_adapters`); the loss over embeddings
-    is the queue-aware one above, not the wrapped loss's own.
-    """
-    run = cached_loss_view(loss)
-    if run is None:
-        raise TypeError(f"{type(loss).__name__} has no cached-loss adapter; see st_ext.losses.cached_adapters.")
-    documents: list[Tensor] = []
-    with_memory = memory_ranking_fn(bank, batch, run, truncated=transform is not None)
-    if transform is not None:
-        with_memory = transform(with_memory)
+    def queued(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        batch = ranking_batch(memory.loss, sentence_features, memory.mask_own_positive)
+        training = torch.is_grad_enabled()
 
-    def loss_with_memory(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-        documents.append(document_rows(reps))
-        return with_memory(reps, frozen, labels, with_backward=with_backward)
+        def draw(layer: int | None) -> LossFn:
+            bank = memory.bank(layer) if training else MemoryBank()
+            return memory_ranking_fn(bank, batch, mini_batch_size, description.show_progress_bar)
 
-    value = gradcache_forward(run, sentence_features, None, loss_with_memory)
-    return value, documents[-1]
+        def finish(layers: list, outputs: list[Reps]) -> None:
+            if not training:
+                return
+            if layers != [None]:
+                _check_same_layers_on_every_rank(layers)
+            for layer, reps in zip(layers, outputs):
+                documents = document_rows(reps)
+                memory.push(layer, documents, batch.row_keys(documents.device))
+
+        return replace(step, draw=draw, finish=finish)
+
+    return with_loss(description, type(memory).__name__, queued)
+
+
+def _check_same_layers_on_every_rank(layers: list) -> None:
+    """Every rank's documents join the queue of the layer each rank drew; ranks that drew differently
+    (Python's ``random`` seeded differently) would mix layers in one queue without any shape error."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    drawn: list = [None] * dist.get_world_size()
+    dist.all_gather_object(drawn, layers)
+    if any(other != layers for other in drawn):
+        raise RuntimeError(
+            f"The ranks sampled different layers ({drawn}): each layer's cross-batch memory would mix them. Seed "
+            "Python's random module alike on every rank (the Trainer's seed does), or set n_layers_per_step=-1."
+        )
 
 
 def document_rows(reps: Reps) -> Tensor:
@@ -427,12 +433,6 @@ def validate_memory_size(memory_size: Any) -> None:
         )
 
 
-def wrapped_model(loss: nn.Module) -> nn.Module | None:
-    """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
-    model = getattr(loss, "model", None)
-    return getattr(loss, "sentence_embedder", None) if model is None else model
-
-
 # ---------------------------------------------------------------------------------------------
 # The loss
 
@@ -478,24 +478,34 @@ class CrossBatchMemoryLoss(nn.Module):
         self.layer_memory: dict[int, MemoryBank] = {}
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        return self.transformed_forward(sentence_features, labels)
-
-    def transformed_forward(
-        self, sentence_features: Iterable[Features], labels: Tensor | None = None, transform: LossTransform | None = None
-    ) -> Tensor:
-        """The forward pass, with the cached ranking loss over embeddings passed through ``transform``."""
         sentence_features = list(sentence_features)
+        if self.kind == "ranking" and self.uses_gradient_cache:
+            return gradcache_forward(self.cached_loss(), sentence_features, labels)
         training = torch.is_grad_enabled()
         bank = self.memory if training else MemoryBank()
         if self.kind == "ranking":
-            value, rows, row_labels = ranking_step(
-                self.loss, self.model, sentence_features, bank, self.mask_own_positive, transform
+            value, rows, row_labels = uncached_ranking_step(
+                self.loss, self.model, sentence_features, bank, self.mask_own_positive
             )
         else:
             value, rows, row_labels = triplet_step(self.loss, self.model, sentence_features, labels, bank)
         if training:
             self.push(None, rows, row_labels)
         return value
+
+    def cached_loss(self) -> CachedLoss:
+        """This memory for the engine and for the wrappers around it. Only a memory around a cached ranking
+        loss has one: a wrapper around any other would call it once per dimension or layer, and each
+        call would enqueue its embeddings into the one queue."""
+        if self.kind == "ranking" and self.uses_gradient_cache:
+            return with_queue(self, as_cached_loss(self.loss))
+        raise TypeError(
+            f"Wrappers take a CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (st_ext then gives "
+            f"each layer its own queue and truncates the queue with the batch), not over {type(self.loss).__name__}: "
+            "called once per dimension or layer, the memory would mix their embeddings in one queue. For "
+            "MultipleNegativesRankingLoss use CachedMultipleNegativesRankingLoss; with mini_batch_size at least "
+            "the batch size it runs in one pass."
+        )
 
     def bank(self, layer: int | None) -> MemoryBank:
         """The queue of ``layer`` (a hidden-state index), or of the model's output for None."""
@@ -686,3 +696,6 @@ def restore_memories_for_resume(
         if resume_from_checkpoint is None:
             return []  # the trainer raises its own error about the missing checkpoint
     return load_memories(trainer.loss, resume_from_checkpoint, allow_empty=allow_empty)
+
+
+register_cached_loss(CrossBatchMemoryLoss, CrossBatchMemoryLoss.cached_loss)

@@ -57,6 +57,7 @@ from st_ext.losses.gradcache import (
     validate_mini_batching,
 )
 from st_ext.losses.auto_mini_batch import auto_state
+from st_ext.losses.cached_loss import CachedLoss, LossStep, described, register_cached_loss
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -507,19 +508,26 @@ class CachedGISTEmbedLoss(GuidedLoss):
         upstream_hook_overrides(self, _upstream.CachedGISTEmbedLoss)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        return gradcache_forward(self, sentence_features, labels)
+        return gradcache_forward(self.cached_loss(), sentence_features, labels)
 
-    def loss_from_embeddings(
-        self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
-    ) -> Tensor:
-        return gist_loss(
-            reps,
-            frozen,
-            **self._gist_options(),
-            chunk_size=self.mini_batch_size,
-            with_backward=with_backward,
-            show_progress_bar=self.show_progress_bar,
-        )
+    def cached_loss(self) -> CachedLoss:
+        """This loss for the engine: the guide's embeddings are the frozen ones, and the loss over
+        embeddings scores the anchors a mini-batch at a time."""
+
+        def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+            def loss_fn(reps: Reps, frozen: Reps | None, labels, *, with_backward: bool, embedding_map=None):
+                return gist_loss(
+                    reps,
+                    frozen,
+                    **self._gist_options(),
+                    chunk_size=mini_batch_size,
+                    with_backward=with_backward,
+                    show_progress_bar=self.show_progress_bar,
+                )
+
+            return LossStep(lambda layer: loss_fn)
+
+        return described(self, start, self.frozen_embeddings)
 
 
 @named_like_upstream(_upstream.GISTEmbedLoss)
@@ -662,3 +670,24 @@ def _refuse_static_embedding(model: nn.Module) -> None:
             "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
             "Consider using GISTEmbedLoss instead."
         )
+
+
+def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
+    """Upstream's ``CachedGISTEmbedLoss`` described: its guide runs once, in GradCache's step (1), and its
+    loss over embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
+    def frozen(sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
+        retokenize_with = loss.tokenizer if loss.must_retokenize else None
+        show_progress_bar = getattr(loss, "show_progress_bar", False)
+        return guide_pass(loss.guide, sentence_features, ranges, retokenize_with, show_progress_bar=show_progress_bar)
+
+    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        def loss_fn(reps: Reps, frozen: Reps | None, labels, *, with_backward: bool, embedding_map=None):
+            return type(loss).calculate_loss(loss, reps, frozen, with_backward=with_backward)
+
+        return LossStep(lambda layer: loss_fn)
+
+    return described(loss, start, frozen)
+
+
+register_cached_loss(CachedGISTEmbedLoss, CachedGISTEmbedLoss.cached_loss)
+register_cached_loss(_upstream.CachedGISTEmbedLoss, upstream_cached_gist)

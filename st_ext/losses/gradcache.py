@@ -20,8 +20,8 @@ pooled embedding of every layer it uses (:mod:`st_ext.losses.adaptive_layer`), a
 the cached gradients of all of them through one graph.
 
 Frozen encoders (a GIST guide) need no gradient, so their embeddings are computed once in (1) and
-never again. A loss plugs into :func:`gradcache_forward` by providing the :class:`CachedLoss`
-protocol; everything that belongs to one forward pass (features, plan, RNG states, gradients) is
+never again. A loss plugs into :func:`gradcache_forward` as a :class:`~st_ext.losses.cached_loss.CachedLoss`
+(the seam every wrapper transforms); everything that belongs to one forward pass (features, plan, RNG states, gradients) is
 passed to the loss's backward as arguments, so a second forward pass cannot corrupt the first.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +39,16 @@ from tqdm.auto import tqdm
 
 from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.losses.auto_mini_batch import AUTO, resolved_mini_batch_size
+from st_ext.losses.auto_mini_batch import AUTO, resolve_mini_batching
+from st_ext.losses.cached_loss import (  # noqa: F401  (re-exported: the seam's types are the engine's API)
+    CachedLoss,
+    Encoder,
+    LossFn,
+    LossStep,
+    Reps,
+    from_protocol,
+    sentence_embedding,
+)
 from st_ext.losses.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     ColumnLayout,
@@ -51,43 +60,6 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     row_keys,
 )
 from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
-
-#: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
-Reps = list[list[Tensor]]
-#: ``loss_fn(reps, frozen, labels, with_backward=...)``; see :meth:`CachedLoss.loss_from_embeddings`.
-LossFn = Callable[..., Tensor]
-#: Embeds one mini-batch: ``encoder(model, features)`` is the list of the model's outputs for its rows,
-#: each ``(rows, dim)``, the sentence embedding first.
-Encoder = Callable[[nn.Module, Features], list[Tensor]]
-
-
-def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
-    """The default :data:`Encoder`: the sentence embedding alone."""
-    return [model(features)["sentence_embedding"]]
-
-
-class CachedLoss(Protocol):
-    """What a loss provides to run on :func:`gradcache_forward`.
-
-    ``mini_batch_size`` may be ``"auto"``: the object that holds the setting (``settings_holder``
-    when a view reads it from another object, else the loss itself) then keeps an
-    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch` as ``auto_mini_batch``.
-    """
-
-    model: nn.Module
-    mini_batch_size: int | str
-    mini_batch_num_tokens: int | None
-    show_progress_bar: bool
-
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps | None:
-        """Embeddings from frozen encoders, per column (e.g. a guide's); None when the loss needs none."""
-
-    def loss_from_embeddings(
-        self, reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
-    ) -> Tensor:
-        """The loss over all embeddings. With ``with_backward``, back-propagate it into ``reps`` (chunk
-        by chunk if it chunks) and return it detached, so no part of its graph outlives its backward."""
-
 
 class RngState:
     """The CPU and accelerator generator states one mini-batch's first forward pass started from.
@@ -294,53 +266,54 @@ def _checkpointed(model: nn.Module, on: bool):
     return checkpointing.switched_on(model) if on else nullcontext()
 
 
-def gradcache_forward(
-    loss: CachedLoss,
-    sentence_features: Iterable[Features],
-    labels: Tensor | None,
-    loss_fn: LossFn | None = None,
-    encoder: Encoder | None = None,
-) -> Tensor:
+def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
     """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3); or, when one
     mini-batch holds the whole batch, the plain loss with its graph.
 
-    ``loss_fn`` replaces ``loss.loss_from_embeddings`` when a wrapper (Matryoshka) computes the
-    loss over transformed embeddings; it follows the same contract. With an ``encoder`` (several
-    outputs per forward pass), ``loss_fn`` receives a list of :data:`Reps`, one per output.
+    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, or an object with the older protocol
+    (:func:`~st_ext.losses.cached_loss.from_protocol`).
     """
-    loss_fn = loss_fn or loss.loss_from_embeddings
-    as_given = (lambda outputs: outputs) if encoder is not None else (lambda outputs: outputs[0])
-    encoder = encoder or sentence_embedding
+    loss = loss if isinstance(loss, CachedLoss) else from_protocol(loss)
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
-    show_progress_bar = getattr(loss, "show_progress_bar", False)
-    with resolved_mini_batch_size(loss, sentence_features, layouts) as batching:
-        plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
-        # Frozen encoders first: they read the features before any module edits them in place.
-        frozen = loss.frozen_embeddings(sentence_features, plan.column_ranges())
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and plan.single_pass:
-            with _checkpointed(loss.model, batching.checkpointing):
-                outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
-            return loss_fn(as_given(outputs), frozen, labels, with_backward=False)
-        with torch.no_grad():
-            outputs, rng_states = embed_minibatches(
-                loss.model,
-                sentence_features,
-                plan,
-                keep_rng=grad_enabled,
-                show_progress_bar=show_progress_bar,
-                encoder=encoder,
-            )
-        if not grad_enabled:
-            return loss_fn(as_given(outputs), frozen, labels, with_backward=False)
+    batching = resolve_mini_batching(loss, sentence_features, layouts)
+    plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
+    # Before any forward pass: the loss and the frozen encoders read the features before a module edits them.
+    step = loss.start(sentence_features, batching.size)
+    frozen = loss.frozen(sentence_features, plan.column_ranges())
+    loss_fn = step.draw(None)
+    encoder = step.encoder
 
-        outputs = [[[rep.detach().requires_grad_() for rep in column] for column in output] for output in outputs]
-        value = loss_fn(as_given(outputs), frozen, labels, with_backward=True)
+    def loss_over(outputs: list[Reps], *, with_backward: bool) -> Tensor:
+        return loss_fn(outputs if step.over_layers else outputs[0], frozen, labels, with_backward=with_backward)
+
+    def finished(outputs: list[Reps], value: Tensor) -> Tensor:
+        step.finish([None, *(getattr(encoder, "layers", None) or [])], outputs)
+        return value
+
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and plan.single_pass:
+        with _checkpointed(loss.model, batching.checkpointing):
+            outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
+        return finished(outputs, loss_over(outputs, with_backward=False))
+    with torch.no_grad():
+        outputs, rng_states = embed_minibatches(
+            loss.model,
+            sentence_features,
+            plan,
+            keep_rng=grad_enabled,
+            show_progress_bar=loss.show_progress_bar,
+            encoder=encoder,
+        )
+    if not grad_enabled:
+        return finished(outputs, loss_over(outputs, with_backward=False))
+
+    outputs = [[[rep.detach().requires_grad_() for rep in column] for column in output] for output in outputs]
+    value = loss_over(outputs, with_backward=True)
     unused = [str(index) for index, column in enumerate(outputs[0]) if any(rep.grad is None for rep in column)]
     if unused:
         raise ValueError(
-            f"{type(loss).__name__} did not use input column(s) {', '.join(unused)}: their embeddings got no "
+            f"{loss.name} did not use input column(s) {', '.join(unused)}: their embeddings got no "
             "gradient. Remove the unused column(s) from the dataset."
         )
     replay = ReplayPlan(
@@ -349,11 +322,11 @@ def gradcache_forward(
         plan,
         rng_states,
         _output_grads(outputs, plan),
-        show_progress_bar,
+        loss.show_progress_bar,
         batching.checkpointing,
         encoder,
     )
-    return _ReplayOnBackward.apply(value.detach().requires_grad_(), replay)
+    return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
 
 
 class _ReplayOnBackward(torch.autograd.Function):
@@ -372,7 +345,14 @@ class _ReplayOnBackward(torch.autograd.Function):
 
 
 def weighted_term(
-    loss_fn: LossFn, reps: Reps, frozen: Reps | None, labels: Tensor | None, weight: float, *, with_backward: bool
+    loss_fn: LossFn,
+    reps: Reps,
+    frozen: Reps | None,
+    labels: Tensor | None,
+    weight: float,
+    *,
+    with_backward: bool,
+    embedding_map=None,
 ) -> Tensor:
     """``weight * loss_fn(reps)``, for a loss made of several weighted terms over embeddings.
 
@@ -381,9 +361,9 @@ def weighted_term(
     made ``reps``, e.g. a truncation); the value comes back detached.
     """
     if not with_backward:
-        return loss_fn(reps, frozen, labels, with_backward=False) * weight
+        return loss_fn(reps, frozen, labels, with_backward=False, embedding_map=embedding_map) * weight
     leaves = [[rep.detach().requires_grad_() for rep in column] for column in reps]
-    value = loss_fn(leaves, frozen, labels, with_backward=True)
+    value = loss_fn(leaves, frozen, labels, with_backward=True, embedding_map=embedding_map)
     pairs = [
         (rep, leaf.grad * weight)
         for rep_column, leaf_column in zip(reps, leaves)

@@ -27,6 +27,7 @@ import inspect
 import numbers
 import random
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -36,8 +37,14 @@ from torch import Tensor, nn
 
 from st_ext._compat import st_losses
 from st_ext.losses._signatures import named_like_upstream
-from st_ext.losses.cached_adapters import cached_loss_view, register_cached_loss
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, wrapped_model
+from st_ext.losses.cached_loss import (
+    CachedLoss,
+    LossStep,
+    as_cached_loss,
+    register_cached_loss,
+    with_loss,
+    wrapped_model,
+)
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
 _upstream = st_losses()
@@ -76,17 +83,40 @@ def matryoshka_loss_from_embeddings(
     *,
     with_backward: bool,
     dims_weights: Sequence[tuple[int, float]],
+    embedding_map=None,
 ) -> Tensor:
     """Step (2) for every dimension: the weighted sum of the wrapped loss over truncated embeddings.
 
     With ``with_backward``, each dimension's gradient is carried through the truncation into
     ``reps[..].grad`` before the next dimension's truncated copies are made, and the total is detached.
+    The wrapped loss is told the truncation (``embedding_map``), for embeddings it holds itself.
     """
     total = torch.zeros((), device=reps[0][0].device)
     for dim, weight in dims_weights:
         truncated = [[shrink(rep, dim) for rep in column] for column in reps]
-        total = total + weighted_term(loss_fn, truncated, frozen, labels, weight, with_backward=with_backward)
+        truncation = partial(_then, partial(shrink, dim=dim), embedding_map)
+        total = total + weighted_term(
+            loss_fn, truncated, frozen, labels, weight, with_backward=with_backward, embedding_map=truncation
+        )
     return total
+
+
+def _then(second, first, embeddings: Tensor) -> Tensor:
+    return second(embeddings if first is None else first(embeddings))
+
+
+def matryoshka(description: CachedLoss, wrapper: "MatryoshkaLoss") -> CachedLoss:
+    """``description`` trained at ``wrapper``'s dimensions: each call of its loss over embeddings (each
+    layer's, under a layer-wise loss) draws the dimensions as upstream does and sums over truncations."""
+
+    def over_dimensions(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        def draw(layer):
+            dims_weights = dims_for_step(wrapper.matryoshka_dims, wrapper.matryoshka_weights, wrapper.n_dims_per_step)
+            return partial(matryoshka_loss_from_embeddings, step.draw(layer), dims_weights=dims_weights)
+
+        return replace(step, draw=draw)
+
+    return with_loss(description, type(wrapper).__name__, over_dimensions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +140,7 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
     * Cached losses (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``,
       ``CachedGISTEmbedLoss``, upstream's or st_ext's, and on 5.7+ every loss built on upstream's
       GradCache base such as ``MegaBatchMarginLoss``; every loss registered in
-      :mod:`st_ext.losses.cached_adapters`): GradCache runs here (see the module
+      :mod:`st_ext.losses.cached_loss`): GradCache runs here (see the module
       docstring). ``CrossBatchMemoryLoss`` over a cached ranking loss too: its queue of full-size
       embeddings is truncated and re-normalised with the batch at every dimension. Peak memory
       does not grow with the number of dimensions; the wrapped instance can be wrapped again or
@@ -164,7 +194,8 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
     ) -> None:
         _check_inner_loss(model, loss)
         _check_dims(matryoshka_dims)
-        self._on_st_ext_engine = cached_loss_view(loss) is not None or _is_cached_memory(loss)
+        _refuse_nested_cached(loss)
+        self._on_st_ext_engine = as_cached_loss(loss) is not None
         if not self._on_st_ext_engine:
             # Upstream's wrapper, whole: its own forward reads the uses_gradient_cache it sets (6.x).
             super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
@@ -178,16 +209,11 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         if not self._on_st_ext_engine:
             return super().forward(sentence_features, labels)
-        dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
-        if isinstance(self.loss, CrossBatchMemoryLoss):
-            return self.loss.transformed_forward(
-                sentence_features,
-                labels,
-                lambda loss_fn: partial(matryoshka_loss_from_embeddings, loss_fn, dims_weights=dims_weights),
-            )
-        view = cached_loss_view(self.loss)
-        loss_fn = partial(matryoshka_loss_from_embeddings, view.loss_from_embeddings, dims_weights=dims_weights)
-        return gradcache_forward(view, sentence_features, labels, loss_fn)
+        return gradcache_forward(self.cached_loss(), sentence_features, labels)
+
+    def cached_loss(self) -> CachedLoss | None:
+        """This loss for the engine (None: it runs through upstream's implementation)."""
+        return matryoshka(as_cached_loss(self.loss), self) if self._on_st_ext_engine else None
 
 
 def _check_inner_loss(model: nn.Module, loss: Any) -> None:
@@ -223,14 +249,9 @@ def _check_dims(dims: Sequence[int]) -> None:
             )
 
 
-def _is_cached_memory(loss: nn.Module) -> bool:
-    """A cross-batch memory around a cached ranking loss: its queue is truncated with the batch at every dimension."""
-    return isinstance(loss, CrossBatchMemoryLoss) and loss.kind == "ranking" and loss.uses_gradient_cache
-
-
-def _refuse_nested_cached(loss: MatryoshkaLoss) -> None:
-    """A MatryoshkaLoss is never itself a cached loss to wrap; over a cached loss it cannot be wrapped at all."""
-    if loss.uses_gradient_cache:
+def _refuse_nested_cached(loss: nn.Module) -> None:
+    """A MatryoshkaLoss over a cached loss is not wrapped in another: give one all the dimensions."""
+    if isinstance(loss, MatryoshkaLoss) and loss.uses_gradient_cache:
         raise TypeError(
             "A MatryoshkaLoss over a cached loss cannot be wrapped again: its gradients are computed in its "
             "own backward pass, which an outer MatryoshkaLoss cannot truncate. Give one MatryoshkaLoss all "
@@ -238,4 +259,4 @@ def _refuse_nested_cached(loss: MatryoshkaLoss) -> None:
         )
 
 
-register_cached_loss(MatryoshkaLoss, _refuse_nested_cached)
+register_cached_loss(MatryoshkaLoss, MatryoshkaLoss.cached_loss)

@@ -1,0 +1,179 @@
+"""The one seam of the cached losses: a loss over cached embeddings, described as data.
+
+The GradCache engine (:func:`~st_ext.losses.gradcache.gradcache_forward`) runs a :class:`CachedLoss`:
+the model it embeds with, its mini-batch setting, its frozen encoders, and ``start``, which opens
+one forward pass (:class:`LossStep`): the loss over the embeddings, and what to do once it is computed.
+
+A wrapper is a function from one ``CachedLoss`` to another, in the spirit of GradCache's functional
+form (a function over the cached leaves, plus a closure): Matryoshka replaces the loss over
+embeddings by a weighted sum over truncations, cross-batch memory adds its queue to the loss and
+enqueues in :attr:`LossStep.finish`, the layer-wise losses embed several layers and call the inner
+loss once per layer. None of them names another: each asks :func:`as_cached_loss` for what it wraps.
+
+:func:`as_cached_loss` answers from a registry of adapters, one per loss class, found along the
+class's MRO::
+
+    register_cached_loss(MyCachedLoss, lambda loss: from_protocol(loss))
+
+An adapter returns a ``CachedLoss``, or None when the loss does not cache after all; it raises to
+refuse a loss no wrapper can run. Adapters only read the losses they describe: nothing is set on them.
+
+A loss written against the older protocol (``model``, ``mini_batch_size``, ``mini_batch_num_tokens``,
+``show_progress_bar``, ``frozen_embeddings(features, ranges)``, ``loss_from_embeddings(reps, frozen,
+labels, *, with_backward)``) is described by :func:`from_protocol`; the engine accepts it directly too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from st_ext.losses.features import Features, Ranges
+from st_ext.losses.overrides import upstream_hook_overrides
+
+#: Embeddings per input column, per mini-batch: ``reps[column][mini_batch]`` is ``(rows, dim)``.
+Reps = list[list[Tensor]]
+#: ``loss_fn(reps, frozen, labels, *, with_backward, embedding_map=None)``: the loss over all embeddings.
+#: With ``with_backward`` it back-propagates into ``reps`` (chunk by chunk if it chunks) and returns the
+#: value detached. ``embedding_map`` is what a wrapper did to ``reps`` (a truncation), for embeddings the
+#: loss holds itself and compares with them (a queue); None: nothing was done.
+LossFn = Callable[..., Tensor]
+#: ``frozen(sentence_features, ranges)``: a frozen encoder's embeddings per column (a guide's), or None.
+FrozenFn = Callable[[list[Features], list[Ranges]], "Reps | None"]
+#: Embeds one mini-batch: ``encoder(model, features)`` is the list of the model's outputs for its rows,
+#: each ``(rows, dim)``, the sentence embedding first. ``encoder.layers`` (when it has it) names the hidden
+#: state each later output comes from.
+Encoder = Callable[[nn.Module, Features], list[Tensor]]
+#: ``finish(layers, outputs)``: called once the step's loss is computed, with every output's embeddings
+#: (``outputs[i]`` is :data:`Reps`) and the layer each comes from (None: the model's output).
+Finish = Callable[[list, list[Reps]], None]
+
+
+def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
+    """The default :data:`Encoder`: the sentence embedding alone."""
+    return [model(features)["sentence_embedding"]]
+
+
+def _nothing(layers: list, outputs: list[Reps]) -> None:
+    return None
+
+
+def no_frozen(sentence_features: list[Features], ranges: list[Ranges]) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LossStep:
+    """One forward pass of a cached loss.
+
+    ``draw(layer)`` is the loss over embeddings for one call (``layer``: a hidden-state index, None for
+    the model's output), drawing what the loss draws per call (Matryoshka's dimensions); ``finish`` runs
+    once the step's loss is computed; ``encoder`` embeds each mini-batch. With ``over_layers`` the
+    loss receives ``[reps of output 0, reps of output 1, …]`` instead of one :data:`Reps`.
+    """
+
+    draw: Callable[[Any], LossFn]
+    finish: Finish = _nothing
+    encoder: Encoder = sentence_embedding
+    over_layers: bool = False
+
+
+@dataclass(frozen=True)
+class CachedLoss:
+    """A loss over cached embeddings, as the engine runs it.
+
+    ``mini_batch_size`` is a number or ``"auto"`` (then ``auto`` holds the
+    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch` that resolves it). ``start(sentence_features,
+    mini_batch_size)`` opens a forward pass, before any mini-batch is embedded, with the size resolved
+    for this batch (a loss that scores its anchors a block at a time uses it as its block).
+    """
+
+    name: str
+    model: nn.Module
+    start: Callable[[list[Features], int], LossStep]
+    mini_batch_size: int | str
+    mini_batch_num_tokens: int | None = None
+    auto: Any = None
+    show_progress_bar: bool = False
+    frozen: FrozenFn = no_frozen
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+#: Turns a loss instance into its :class:`CachedLoss`, or None.
+CachedLossAdapter = Callable[[nn.Module], "CachedLoss | None"]
+
+_ADAPTERS: dict[type, CachedLossAdapter] = {}
+
+
+def register_cached_loss(loss_class: type, adapter: CachedLossAdapter) -> None:
+    """Make :func:`as_cached_loss` answer ``adapter(loss)`` for instances of ``loss_class`` and of its
+    subclasses (unless a subclass registers its own). Registering a class again replaces its adapter."""
+    _ADAPTERS[loss_class] = adapter
+
+
+def as_cached_loss(loss: Any) -> CachedLoss | None:
+    """``loss`` as a :class:`CachedLoss` when st_ext runs its GradCache, else None (a wrapper then
+    treats it as upstream's wrapper would). The adapter of the first class along ``type(loss).__mro__``
+    that has one decides; a subclass that overrides a step of upstream's engine gets None, since only
+    upstream's engine calls it (:mod:`st_ext.losses.overrides`)."""
+    for cls in type(loss).__mro__:
+        adapter = _ADAPTERS.get(cls)
+        if adapter is not None:
+            return None if upstream_hook_overrides(loss, cls) else adapter(loss)
+    return None
+
+
+def described(loss: Any, start: Callable[[list[Features], int], LossStep], frozen: FrozenFn = no_frozen) -> CachedLoss:
+    """A loss that keeps a cached loss's usual settings (``model``, ``mini_batch_size``, and where it has
+    them ``mini_batch_num_tokens``, ``auto_mini_batch``, ``show_progress_bar``), with ``start`` and ``frozen``."""
+    return CachedLoss(
+        name=type(loss).__name__,
+        model=loss.model,
+        start=start,
+        mini_batch_size=loss.mini_batch_size,
+        mini_batch_num_tokens=getattr(loss, "mini_batch_num_tokens", None),
+        auto=getattr(loss, "auto_mini_batch", None),
+        show_progress_bar=getattr(loss, "show_progress_bar", False),
+        frozen=frozen,
+    )
+
+
+def from_protocol(loss: Any) -> CachedLoss:
+    """A loss that provides ``loss_from_embeddings`` and ``frozen_embeddings`` (the protocol in the
+    module docstring), described. Its loss over embeddings chunks by its own ``mini_batch_size``."""
+
+    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        return LossStep(lambda layer: _dropping_map(loss.loss_from_embeddings))
+
+    return described(loss, start, loss.frozen_embeddings)
+
+
+def _dropping_map(loss_fn: Callable[..., Tensor]) -> LossFn:
+    """``loss_fn`` of the protocol, which holds no embeddings of its own that a map would apply to."""
+
+    def call(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None):
+        return loss_fn(reps, frozen, labels, with_backward=with_backward)
+
+    return call
+
+
+def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossStep]) -> CachedLoss:
+    """``description`` whose every forward pass is ``loss_for(inner step, sentence_features, mini_batch_size)``:
+    the shape of a wrapper."""
+    inner_start = description.start
+
+    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+        return loss_for(inner_start(sentence_features, mini_batch_size), sentence_features, mini_batch_size)
+
+    return replace(description, name=name, start=start)
+
+
+
+def wrapped_model(loss: nn.Module) -> nn.Module | None:
+    """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
+    model = getattr(loss, "model", None)
+    return getattr(loss, "sentence_embedder", None) if model is None else model
