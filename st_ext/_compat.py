@@ -39,6 +39,7 @@ APIs itself. The differences that matter:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from contextlib import nullcontext
 from types import ModuleType
@@ -351,6 +352,51 @@ def own_buffers(module: nn.Module) -> dict:
 def own_submodules(module: nn.Module) -> dict:
     """``module``'s own submodule registry (its children), editable in place."""
     return module._modules
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers that its ``state_dict`` leaves out."""
+    return module._non_persistent_buffers_set
+
+
+def recorded_name_or_path(config: Any) -> str | None:
+    """Where a Hugging Face config says its model was loaded from (its private ``_name_or_path``)."""
+    return getattr(config, "_name_or_path", None)
+
+
+def parser_option(parser: Any, option_string: str) -> Any:
+    """The ``argparse`` action registered for ``option_string`` (``--mini-batch-size``), to adjust it in place."""
+    return parser._option_string_actions[option_string]
+
+
+def ddp_static_graph_first_iteration(model: Any) -> bool:
+    """Whether a static-graph DDP model has yet to finish its first iteration, the one in which it
+    records which parameters are used (and reduces regardless of ``no_sync``)."""
+    return getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
+
+
+def fsdp2_parameter_group(module: Any) -> Any:
+    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one (its state
+    is private; FSDP2 has setters for resharding, no getters)."""
+    return getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+
+
+#: The first DeepSpeed release whose ZeRO hooks read ``ds_grad_is_ready`` (st_ext holds reductions with it).
+DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
+
+
+def deepspeed_version() -> Version | None:
+    """The installed DeepSpeed's version (read without importing it), or None."""
+    try:
+        return Version(importlib.metadata.version("deepspeed"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+#: Private methods of upstream classes that st_ext's subclasses override, and why no public hook serves.
+PRIVATE_METHODS_OVERRIDDEN = {
+    "_save": "the Trainer hands the whole state dict it gathered under FSDP2 to ``_save`` only",
+}
 
 
 def can_swap_parameter_data(param: Tensor, data: Tensor) -> bool:

@@ -32,6 +32,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -189,7 +190,7 @@ _IMPORTLIB_DIR = os.path.dirname(importlib.__file__)
 
 def _importer_frame():
     """The frame of the code that imports an st_ext path: the first outside the import machinery and this module."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename != __file__ and not filename.startswith(("<frozen importlib", _IMPORTLIB_DIR)):

@@ -31,7 +31,7 @@ from st_ext import losses
 from st_ext import _compat
 from st_ext._compat import ST_VERSION, st_losses, st_modules
 from st_ext.losses.gradcache import RngState
-from st_ext.losses.gradient_sync import gradient_sync
+from st_ext.training.gradient_sync import gradient_sync
 from loss_checks import features_of, text_columns
 from test_cached_mechanics import FakeAccelerator
 from test_distributed import torchrun

@@ -20,7 +20,7 @@ LOW_LEVEL_FILES = ["_compat.py", "memory.py", "mining.py", "checkpointing.py"]
 OFFLOAD_FILES = sorted(str(path.relative_to(PACKAGE_DIR)) for path in (PACKAGE_DIR / "offload").rglob("*.py"))
 
 #: The higher layers (a package or module and everything below it).
-HIGHER_LAYERS = ("st_ext.models", "st_ext.trainer", "st_ext.training", "st_ext.losses", "st_ext.cli", "st_ext.job")
+HIGHER_LAYERS = ("st_ext.models", "st_ext.training", "st_ext.losses", "st_ext.cli")
 
 
 def module_name(relative_path: str) -> str:
@@ -73,6 +73,17 @@ def test_the_low_level_files_exist():
     assert "offload/__init__.py" in OFFLOAD_FILES
 
 
+def test_the_higher_layers_exist():
+    """A layer that was renamed or moved would otherwise stop being checked for, silently."""
+    root = PACKAGE_DIR.parent
+    missing = [
+        layer
+        for layer in HIGHER_LAYERS
+        if not (root / layer.replace(".", "/")).is_dir() and not (root / (layer.replace(".", "/") + ".py")).is_file()
+    ]
+    assert not missing, f"update HIGHER_LAYERS in {Path(__file__).name}: {missing} no longer exist"
+
+
 @pytest.mark.parametrize("relative_path", LOW_LEVEL_FILES + OFFLOAD_FILES)
 def test_low_level_modules_import_no_higher_layer(relative_path):
     path = PACKAGE_DIR / relative_path
@@ -90,7 +101,7 @@ from st_ext.mining import rank_in_row
 
 def later():
     from st_ext import losses
-    from .. import trainer
+    from .. import training
     from ..cli.main import run
     import st_ext.training.loop
     importlib.import_module("st_ext.models")
@@ -103,8 +114,8 @@ def test_the_check_sees_function_level_relative_and_dynamic_imports():
         "st_ext.cli.main.run",
         "st_ext.losses",
         "st_ext.models",
-        "st_ext.trainer",
+        "st_ext.training",
         "st_ext.training.loop",
     ]
     assert upward_imports("from . import guards", "st_ext.offload", is_package=True) == []
-    assert upward_imports("from .. import job", "st_ext.offload", is_package=True) == ["st_ext.job"]
+    assert upward_imports("from .. import cli", "st_ext.offload", is_package=True) == ["st_ext.cli"]

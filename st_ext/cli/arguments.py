@@ -17,6 +17,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from st_ext import SentenceTransformerTrainingArguments
+from st_ext._compat import parser_option
 from st_ext.cli.job import ConfigError, TrainConfig
 from st_ext.cli.settings import SettingError, convert_setting, convert_settings
 from st_ext.cli.trainer_args import ALIASES, TRAINER_DEFAULTS, trainer_field_names
@@ -56,9 +57,9 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
         ),
     )
     # HfArgumentParser parses Union[int, str] as int; the mini-batch size may also be 'auto'.
-    parser._option_string_actions["--mini-batch-size"].type = positive_or_auto
+    parser_option(parser, "--mini-batch-size").type = positive_or_auto
     for alias, name in ALIASES.items():
-        target = parser._option_string_actions["--" + name]
+        target = parser_option(parser, "--" + name)
         parser.add_argument(
             "--" + alias.replace("_", "-"), "--" + alias, dest=name, type=target.type, default=argparse.SUPPRESS,
             help=f"short for --{name.replace('_', '-')}",

@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from st_ext import checkpointing
+from st_ext._compat import compiled_module
 from st_ext.losses.features import Features
-from st_ext.losses.gradient_sync import gradient_sync, parameters_sharded
+from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
 from st_ext.memory import measure_peak
 
@@ -310,7 +311,7 @@ def _probe_peak(
     aside, zeros of their shape stand in for them (allocated before the meter starts, as a step that
     accumulates would find them), and the originals are put back untouched.
     """
-    module = getattr(model, "_orig_mod", model)  # torch.compile: no recompilation for probe shapes
+    module = compiled_module(model)  # torch.compile: no recompilation for probe shapes
     local = gradient_sync(module, sync=False)
     params = [p for p in module.parameters() if p.requires_grad]
     saved = [p.grad for p in params]

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from st_ext import offload
-from st_ext._compat import preprocess
+from st_ext._compat import own_submodules, preprocess
 from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses import it from here)
     Features,
     reads_flattened,
@@ -29,7 +29,7 @@ from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses imp
     select_rows,
     to_padded,
 )
-from st_ext.losses.gradient_sync import parameters_sharded
+from st_ext.training.gradient_sync import parameters_sharded
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
 
@@ -140,7 +140,7 @@ def hold_outside_module_tree(owner: nn.Module, name: str, encoder: nn.Module) ->
     The trainer's ``loss.to(model.device)`` then leaves an offloaded encoder where it is, and its
     weights are not part of the loss's ``state_dict``. The encoder is frozen: it only runs without grad.
     """
-    owner._modules.pop(name, None)
+    own_submodules(owner).pop(name, None)
     encoder.requires_grad_(False)
     object.__setattr__(owner, name, encoder)
 

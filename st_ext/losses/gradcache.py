@@ -49,7 +49,7 @@ from st_ext.losses.cached_loss import (  # noqa: F401  (re-exported: the seam's 
     from_protocol,
     sentence_embedding,
 )
-from st_ext.losses.gradient_sync import gradient_sync, without_forward_collectives
+from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     ColumnLayout,
     Features,
@@ -206,7 +206,7 @@ def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
 
     ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
     gradient-accumulation divisor), so every mini-batch receives it. Under a distributed engine only
-    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.losses.gradient_sync`). When
+    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.training.gradient_sync`). When
     that one back-propagates nothing (its rows are frozen, e.g. a frozen route), the last mini-batch
     that did is replayed once more with a zero gradient inside the reducing context, so the step
     still reduces, once, on every rank.

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from st_ext._compat import own_buffers, own_parameters
+from st_ext._compat import own_buffers, own_parameters, recorded_name_or_path
 from st_ext.offload.process_memory import MemoryReading, format_bytes
 
 #: Only this many leftovers are traced (one heap scan per step) and listed in full.
@@ -67,7 +67,7 @@ def name_or_path_of(module: nn.Module) -> str | None:
     for submodule in module.modules():
         for candidate in (
             getattr(submodule, "name_or_path", None),
-            getattr(getattr(submodule, "config", None), "_name_or_path", None),
+            recorded_name_or_path(getattr(submodule, "config", None)),
         ):
             if isinstance(candidate, str) and candidate:
                 return candidate

@@ -1,7 +1,7 @@
 """A Trainer's DeepSpeed set-up, checked when the trainer is built rather than found wrong after training.
 
 st_ext's cached losses train under every ZeRO stage: each replayed mini-batch's backward leaves the
-parameters' reduction to the last one (:mod:`st_ext.losses.gradient_sync`), through a parameter flag
+parameters' reduction to the last one (:mod:`st_ext.training.gradient_sync`), through a parameter flag
 that DeepSpeed reads from 0.17 on. What cannot work is refused here, in one line that says what does:
 
 * sentence-transformers' own cached losses return a loss without a ``grad_fn`` (DeepSpeed's
@@ -18,17 +18,11 @@ stays upstream's behaviour, with a warning.
 
 from __future__ import annotations
 
-import importlib.metadata
 import warnings
 from typing import Any
 
-from packaging.version import Version
-
-from st_ext._compat import is_gradient_caching
+from st_ext._compat import DEEPSPEED_HOLDS_REDUCTION, deepspeed_version, is_gradient_caching
 from st_ext.training.frozen_encoders import loss_modules
-
-#: The first DeepSpeed release whose ZeRO hooks read ``ds_grad_is_ready``.
-DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
 
 
 def check_deepspeed_setup(args: Any, loss: Any) -> None:
@@ -61,13 +55,6 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
             "DeepSpeed ZeRO stage 3 without stage3_gather_16bit_weights_on_model_save: saving the model would fail "
             'after training. Set "stage3_gather_16bit_weights_on_model_save": true under "zero_optimization".'
         )
-
-
-def deepspeed_version() -> Version | None:
-    try:
-        return Version(importlib.metadata.version("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:

@@ -20,6 +20,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from st_ext._compat import non_persistent_buffer_names, own_buffers, own_parameters
+
 #: The hook dictionaries FSDP2 registers in, by what they would undo or run while a model saves.
 _FSDP_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks")
 
@@ -85,11 +87,12 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     slots, unsaved = {}, []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        for store in (module._parameters, module._buffers):
+        buffers = own_buffers(module)
+        for store in (own_parameters(module), buffers):
             for name, tensor in store.items():
                 if tensor is None:
                     continue
-                if store is module._buffers and name in module._non_persistent_buffers_set:
+                if store is buffers and name in non_persistent_buffer_names(module):
                     unsaved.append((store, name, tensor))
                 else:
                     slots.setdefault(_state_dict_key(prefix + name), []).append((store, name, tensor))

@@ -27,7 +27,7 @@ from torch import nn
 from st_ext import _compat
 from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
-from st_ext.losses.gradient_sync import sharded_by_fsdp2
+from st_ext.training.gradient_sync import sharded_by_fsdp2
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss

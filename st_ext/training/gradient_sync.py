@@ -59,7 +59,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
 
 
 def _ddp_gradient_sync(model: DistributedDataParallel, sync: bool) -> ContextManager[None]:
-    if getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True):
+    if _compat.ddp_static_graph_first_iteration(model):
         return _ddp_forced_sync(model)
     if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
         return nullcontext()
@@ -142,7 +142,7 @@ def _stays_gathered_after_forward(module: nn.Module) -> bool:
     fsdp_module = fsdp2_module_class()
     if fsdp_module is None or not isinstance(module, fsdp_module):
         return False
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    group = _compat.fsdp2_parameter_group(module)
     if group is None or not hasattr(group, "post_forward_mesh_info"):
         return False
     return group.post_forward_mesh_info is None and getattr(group, "reshard_after_backward", False)
