@@ -18,7 +18,7 @@ ENVS := st6 st4 st5
 # The environments `make test` runs, each pinned by $(LOCK)/<env>.txt.
 TESTED_ENVS := st6 st4
 
-.PHONY: demo test lock test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
+.PHONY: demo test lint lock test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
 
 # torch goes first, pinned: with it installed nothing below pulls a multi-GB CUDA build.
 .SECONDEXPANSION:
@@ -26,7 +26,7 @@ $(VENV)/%/.ready: pyproject.toml requirements/%.txt requirements/test.txt $$(wil
 	rm -rf $(VENV)/$*
 	$(PYTHON) -m venv $(VENV)/$*
 	$(VENV)/$*/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
-	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt $(if $(wildcard $(LOCK)/$*.txt),-c $(LOCK)/$*.txt) -e .
+	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt $(if $(wildcard $(LOCK)/$*.txt),-c $(LOCK)/$*.txt) -e ".[cli]"
 	touch $@
 
 # The demo gets what it needs and nothing more (no test tools), at the tested versions.
@@ -34,7 +34,7 @@ $(VENV)/demo/.ready: pyproject.toml requirements/st6.txt $(LOCK)/st6.txt
 	rm -rf $(VENV)/demo
 	$(PYTHON) -m venv $(VENV)/demo
 	$(VENV)/demo/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
-	$(VENV)/demo/bin/pip install -q -r requirements/st6.txt -c $(LOCK)/st6.txt -e .
+	$(VENV)/demo/bin/pip install -q -r requirements/st6.txt -c $(LOCK)/st6.txt -e ".[cli]"
 	touch $@
 
 demo: $(VENV)/demo/.ready
@@ -44,6 +44,11 @@ demo: $(VENV)/demo/.ready
 test:
 	@failed=; for env in $(TESTED_ENVS); do $(MAKE) --no-print-directory test-$$env || failed="$$failed $$env"; done; \
 	if [ -n "$$failed" ]; then echo "== failed in:$$failed"; exit 1; fi
+
+# sentence-transformers' ruff rules and format (pyproject.toml), as its pre-commit runs them.
+lint: $(VENV)/st6/.ready
+	$(VENV)/st6/bin/ruff check --no-fix .
+	$(VENV)/st6/bin/ruff format --check .
 
 lock:
 	tools/lock.sh $(PYTHON) $(TORCH) "$(TORCH_INDEX_ARGS)" $(TESTED_ENVS)

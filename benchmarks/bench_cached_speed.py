@@ -39,7 +39,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -50,7 +50,8 @@ import transformers
 
 from st_ext import SentenceTransformer
 from st_ext import losses as st_losses
-from st_ext._compat import preprocess, st_losses as upstream_losses_module, st_modules
+from st_ext._compat import preprocess, st_modules
+from st_ext._compat import st_losses as upstream_losses_module
 from st_ext.memory import measure_peak
 
 up_losses = upstream_losses_module()

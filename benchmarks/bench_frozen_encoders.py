@@ -33,9 +33,9 @@ from datasets import Dataset
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import preprocess, st_losses
 from st_ext.cli.demo_data import stdlib_pairs
-from st_ext.training.frozen_encoders import apply_frozen_encoder_mode
 from st_ext.losses.distillation import precompute_teacher_labels
 from st_ext.memory import measure_peak, resolve_device
+from st_ext.training.frozen_encoders import apply_frozen_encoder_mode
 
 upstream = st_losses()
 MODES = ("upstream", "resident", "offload", "precompute")
@@ -88,7 +88,7 @@ def measure(loss_name: str, mode: str, path: str, args, device: torch.device) ->
     optimizer = torch.optim.SGD(student.parameters(), lr=1e-5)
     features = [preprocess(student, column, device) for column in columns_of(loss_name, dataset)]
 
-    def step() -> None:
+    def step(loss=loss, features=features, optimizer=optimizer) -> None:
         loss(features, labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -107,7 +107,7 @@ def measure(loss_name: str, mode: str, path: str, args, device: torch.device) ->
     with measure_peak(device) as peak:
         step()
     result = {"held": held, "peak": peak.peak_bytes / 2**20, "step": min(times)}
-    del student, loss, optimizer, features
+    del step, student, loss, optimizer, features
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -23,7 +23,7 @@ import argparse
 import os
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from pytorch_metric_learning import __version__ as pml_version

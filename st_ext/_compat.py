@@ -41,19 +41,18 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Callable
 from contextlib import nullcontext
 from types import ModuleType
-from typing import Any, Callable
-
-import sentence_transformers.util as st_util
-import torch
-from torch import Tensor
+from typing import Any
 
 import sentence_transformers
+import sentence_transformers.util as st_util
+import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from torch import nn
+from torch import Tensor, nn
 
 ST_VERSION = Version(sentence_transformers.__version__)
 

@@ -20,8 +20,8 @@ import contextlib
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -10,7 +10,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-
 from tiny_models import save_tiny_bert, sentence_transformer_from
 
 

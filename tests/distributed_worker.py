@@ -42,10 +42,10 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -53,9 +53,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from tiny_models import WORDS, cross_encoder_from, sentence_transformer_from
+from torch import nn
 
 WORLD_SIZE = 2
 ROWS_PER_RANK = 8
@@ -101,8 +100,7 @@ def gather_supported() -> bool:
     arrived in sentence-transformers 5; 4.x has neither."""
     import inspect
 
-    from st_ext._compat import st_losses
-    from st_ext._compat import all_gather_with_grad
+    from st_ext._compat import all_gather_with_grad, st_losses
 
     signature = inspect.signature(st_losses().CachedMultipleNegativesRankingLoss.__init__)
     return all_gather_with_grad() is not None and "gather_across_devices" in signature.parameters

@@ -6,12 +6,11 @@ import random
 
 import torch
 from datasets import Dataset
+from tiny_models import WORDS, sentence_transformer_from
 
 from st_ext import SentenceTransformer
-from st_ext._compat import preprocess
-from st_ext._compat import separate_column_forwards
+from st_ext._compat import preprocess, separate_column_forwards
 from st_ext.memory import measure_peak
-from tiny_models import WORDS, sentence_transformer_from
 
 
 def random_texts(count: int, seed: int, min_words: int = 3, max_words: int = 14) -> list[str]:

@@ -12,22 +12,22 @@ import inspect
 
 import pytest
 import torch
-
-from st_ext import losses
-from st_ext._compat import AdaptiveLayerRules, st_losses
-from st_ext.losses.layer_embeddings import LayerEmbeddings
 from loss_checks import (
     assert_bounded_by_the_mini_batch,
     assert_losses_agree,
     assert_same_grads,
     features_of,
     grads_differ,
-    long_columns,
     guide_from,
+    long_columns,
     loss_and_grads,
     peak_training_bytes,
     text_columns,
 )
+
+from st_ext import losses
+from st_ext._compat import AdaptiveLayerRules, st_losses
+from st_ext.losses.layer_embeddings import LayerEmbeddings
 
 upstream = st_losses()
 BATCH = 8

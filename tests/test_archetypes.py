@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import sentence_transformers
 import torch
-from datasets import Dataset
+from test_trainer import RecordCheckpointing, pair_dataset, scored_pair_dataset, training_args
+from tiny_models import SENTENCES, bert_config, build_tokenizer, cross_encoder_from, sentence_transformer_from
 from transformers import BertForMaskedLM
 
 import st_ext
@@ -29,8 +30,6 @@ import st_ext.models
 import st_ext.training.trainer
 from st_ext import _compat, checkpointing
 from st_ext._compat import preprocess
-from test_trainer import RecordCheckpointing, pair_dataset, scored_pair_dataset, training_args
-from tiny_models import SENTENCES, bert_config, build_tokenizer, cross_encoder_from, sentence_transformer_from
 
 pytestmark = pytest.mark.conformance
 

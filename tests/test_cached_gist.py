@@ -8,10 +8,6 @@ import inspect
 import pytest
 import sentence_transformers
 import torch
-
-import st_ext.offload
-from st_ext import losses
-from st_ext._compat import st_losses
 from loss_checks import (
     assert_losses_agree,
     assert_same_grads,
@@ -23,7 +19,11 @@ from loss_checks import (
     peak_training_bytes,
     text_columns,
 )
-from tiny_models import save_tiny_bert, sentence_transformer_from
+from tiny_models import sentence_transformer_from
+
+import st_ext.offload
+from st_ext import losses
+from st_ext._compat import st_losses
 
 upstream = st_losses()
 DIMS = [32, 16, 8]

@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
-from st_ext import losses
-from st_ext._compat import st_losses
-from st_ext.losses.features import layout_of, slice_rows
-from st_ext.losses.minibatches import plan_minibatches
 from loss_checks import (
     assert_bounded_by_the_mini_batch,
     assert_losses_agree,
@@ -21,6 +15,12 @@ from loss_checks import (
     peak_training_bytes,
     text_columns,
 )
+from torch import nn
+
+from st_ext import losses
+from st_ext._compat import st_losses
+from st_ext.losses.features import layout_of, slice_rows
+from st_ext.losses.minibatches import plan_minibatches
 
 upstream = st_losses()
 DIMS = [32, 16, 8]
@@ -142,7 +142,7 @@ def test_upstream_matryoshka_mutates_the_wrapped_loss(model):
     columns = text_columns(BATCH, 2)
     inner = upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
     bare_before = loss_and_grads(model, inner, columns, train=False)
-    once = loss_and_grads(model, upstream.MatryoshkaLoss(model, inner, DIMS), columns, train=False)
+    loss_and_grads(model, upstream.MatryoshkaLoss(model, inner, DIMS), columns, train=False)
     assert "calculate_loss" in vars(inner)
     assert grads_differ(loss_and_grads(model, inner, columns, train=False), bare_before)
     twice = upstream.MatryoshkaLoss(model, inner, DIMS)

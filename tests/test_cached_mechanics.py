@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import sentence_transformers
 import torch
+from loss_checks import assert_same_grads, features_of, loss_and_grads, pair_dataset, text_columns
+from tiny_models import save_tiny_bert, sentence_transformer_from
 from torch import nn
 
 import st_ext
@@ -28,8 +30,6 @@ from st_ext import losses
 from st_ext._compat import separate_column_forwards, st_losses, st_modules
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.gradcache import gradcache_forward
-from loss_checks import assert_same_grads, features_of, loss_and_grads, pair_dataset, text_columns
-from tiny_models import save_tiny_bert, sentence_transformer_from
 
 upstream = st_losses()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from loss_checks import NoDeviceReads, assert_same_grads, features_of, loss_and_grads, text_columns
 from torch import nn
 
 from st_ext import losses
@@ -22,7 +23,6 @@ from st_ext._compat import preprocess, separate_column_forwards, st_losses
 from st_ext.losses import auto_mini_batch
 from st_ext.losses.minibatches import can_merge, layout_of, minibatch_features, plan_minibatches
 from st_ext.memory import measure_peak
-from loss_checks import NoDeviceReads, assert_same_grads, features_of, guide_from, loss_and_grads, text_columns
 
 upstream = st_losses()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -316,8 +316,9 @@ def test_auto_may_checkpoint_a_larger_mini_batch_and_leaves_the_model_as_it_was(
     """Where checkpointing lets a larger mini-batch fit the budget and the estimate calls it faster, auto
     checkpoints its graph passes only: the no-grad passes run plain, the model ends the step as it began,
     and the gradients are the uncached loss's."""
-    from st_ext import checkpointing
     from tiny_models import save_tiny_bert, sentence_transformer_from
+
+    from st_ext import checkpointing
 
     # Training mode (transformers checkpoints only there), without dropout so the uncached loss compares.
     model = sentence_transformer_from(save_tiny_bert(tmp_path, num_layers=6, hidden_size=64, dropout=0.0)).train()

@@ -7,13 +7,13 @@ import logging
 import pytest
 import sentence_transformers
 import torch
+from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 from torch import nn
 
 from st_ext import CrossEncoder, SentenceTransformer, _compat, checkpointing
 from st_ext._compat import preprocess, st_modules
 from st_ext.checkpointing import CheckpointingNotSupportedError
 from st_ext.memory import measure_peak
-from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 
 
 def embedding_grads(model: SentenceTransformer, texts=SENTENCES, seed: int = 0) -> dict[str, torch.Tensor]:

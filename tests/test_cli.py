@@ -5,15 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 import typing
 
 import pytest
 import torch
+from tiny_models import SENTENCES
 
 from st_ext import SentenceTransformerTrainingArguments
 from st_ext.cli import EXIT_BAD_INPUT, main
-from tiny_models import SENTENCES
 
 #: How a config error describes ``gradient_checkpointing``: transformers 5 declares it ``bool | None``.
 CHECKPOINTING_EXPECTS = (

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import SENTENCES
 
 from st_ext.cli import EXIT_BAD_INPUT, main
-from tiny_models import SENTENCES
 
 
 @pytest.fixture

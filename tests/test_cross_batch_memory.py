@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from loss_checks import assert_same_grads, features_of, loss_and_grads, random_texts, text_columns
 from sentence_transformers.util import cos_sim
+from tiny_models import sentence_transformer_from
 from transformers import TrainerCallback
 
 from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -28,8 +30,6 @@ from st_ext.losses.cross_batch_memory import (
     enqueue,
     gather_from_ranks,
 )
-from loss_checks import assert_same_grads, features_of, loss_and_grads, random_texts, text_columns
-from tiny_models import sentence_transformer_from
 
 upstream = st_losses()
 BATCH = 6

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 from packaging.version import Version
+from tiny_models import save_tiny_bert, sentence_transformer_from
 
 from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
 from st_ext._compat import st_losses
 from st_ext.training import deepspeed as deepspeed_setup
-from tiny_models import save_tiny_bert, sentence_transformer_from
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (requirements/test.txt)")
 

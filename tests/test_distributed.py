@@ -27,14 +27,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import distributed_worker as worker
 import pytest
 import torch
 import transformers
 from packaging.version import Version
-
-import distributed_worker as worker
-from st_ext._compat import ST_VERSION
 from tiny_models import save_tiny_bert
+
+from st_ext._compat import ST_VERSION
 
 pytestmark = pytest.mark.distributed
 

@@ -17,25 +17,24 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import distributed_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from packaging.version import Version
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-import distributed_worker as worker
-import st_ext
-from st_ext import losses
-from st_ext import _compat
-from st_ext._compat import ST_VERSION, st_losses, st_modules
-from st_ext.losses.gradcache import RngState
-from st_ext.training.gradient_sync import gradient_sync
 from loss_checks import features_of, text_columns
+from packaging.version import Version
 from test_cached_mechanics import FakeAccelerator
 from test_distributed import torchrun
 from tiny_models import build_tokenizer, save_tiny_bert, sentence_transformer_from
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import st_ext
+from st_ext import _compat, losses
+from st_ext._compat import ST_VERSION, st_losses, st_modules
+from st_ext.losses.gradcache import RngState
+from st_ext.training.gradient_sync import gradient_sync
 
 try:  # 5.7+: one engine for every cached loss
     from sentence_transformers.base.losses import gradcache as upstream_engine

@@ -14,13 +14,13 @@ import warnings
 
 import pytest
 import torch
+from loss_checks import assert_same_grads, features_of, loss_and_grads, text_columns
 from sentence_transformers import util
 
 from st_ext import losses
 from st_ext._compat import st_losses
 from st_ext.losses import cached_ranking
 from st_ext.losses.overrides import upstream_hook_overrides
-from loss_checks import assert_same_grads, features_of, loss_and_grads, text_columns
 
 upstream = st_losses()
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]

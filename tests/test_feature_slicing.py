@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from loss_checks import NoDeviceReads, features_of, text_columns
 
 from st_ext import losses
 from st_ext.losses.features import UnsliceableFeatureError, is_media_key, layout_of, select_rows, slice_rows
 from st_ext.losses.minibatches import can_merge, minibatch_features, plan_minibatches
-from loss_checks import NoDeviceReads, features_of, text_columns
 
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -203,7 +203,7 @@ def test_every_row_range_is_the_rows_rebuilt(layout, seed):
         assert_same_features(slice_rows(features, begin, end, cut), expected, f"rows {begin}:{end}")
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.padding != "left"], ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.padding != "left"], ids=lambda layout: layout.name)
 def test_picked_rows_in_any_order_are_the_rows_rebuilt(layout):
     """The auto mode's probe embeds the longest rows, in any order: each picked row keeps its own pixels."""
     rows = rows_of(layout, seed=7)
@@ -229,7 +229,7 @@ def test_merged_passes_hold_every_segments_rows():
             assert_same_features(minibatch_features(features, plan, minibatch), build(layout, rows), layout.name)
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.media not in ("none", "per_row")], ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.media not in ("none", "per_row")], ids=lambda layout: layout.name)
 def test_columns_cut_per_image_are_embedded_apart(layout):
     """How a model batches images across columns is its own: such columns never share a pass."""
     features = [build(layout, rows_of(layout, seed)) for seed in (1, 2)]

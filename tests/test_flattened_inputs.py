@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
+from tiny_models import SENTENCES, sentence_transformer_from
+from varlen_attention import flattening_supported, make_flattening
 
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
 from st_ext.losses.features import batch_size_of, is_flattened, layout_of, row_keys, select_rows, slice_rows, to_padded
-from st_ext.losses.minibatches import plan_minibatches
 from st_ext.losses.frozen_encoders import combined_row_keys, decoded_texts
-from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
-from tiny_models import SENTENCES, sentence_transformer_from
-from varlen_attention import flattening_supported, make_flattening
+from st_ext.losses.minibatches import plan_minibatches
 
 pytestmark = [
     pytest.mark.conformance,

@@ -8,12 +8,6 @@ import gc
 import pytest
 import torch
 from datasets import Dataset
-
-import st_ext
-import st_ext.offload
-from st_ext import losses
-from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, st_losses
-from st_ext.losses.distillation import precompute_teacher_labels
 from loss_checks import (
     assert_losses_agree,
     assert_same_grads,
@@ -24,6 +18,12 @@ from loss_checks import (
     text_columns,
 )
 from tiny_models import cross_encoder_from, sentence_transformer_from
+
+import st_ext
+import st_ext.offload
+from st_ext import losses
+from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, st_losses
+from st_ext.losses.distillation import precompute_teacher_labels
 
 upstream = st_losses()
 BATCH = 8

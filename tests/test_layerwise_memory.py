@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_checks import assert_losses_agree, features_of, grads_differ, loss_and_grads, text_columns
 
 from st_ext import losses
 from st_ext._compat import AdaptiveLayerRules
 from st_ext.losses.layer_embeddings import LayerEmbeddings
-from loss_checks import assert_losses_agree, features_of, grads_differ, loss_and_grads, text_columns
 
 BATCH = 8
 DIMS = [32, 16, 8]

@@ -228,11 +228,11 @@ def test_a_deprecated_path_warns_at_the_importers_line_with_st_exts_paths():
 
 def test_a_submodule_alias_is_upstreams_module_object(monkeypatch):
     """Where st_ext does not define a path, it is upstream's module itself: monkeypatching either is both."""
-    import st_ext.evaluation
-    import st_ext.util
-
     import sentence_transformers.evaluation
     import sentence_transformers.util
+
+    import st_ext.evaluation
+    import st_ext.util
 
     assert st_ext.util is sentence_transformers.util
     assert st_ext.evaluation is sentence_transformers.evaluation

@@ -15,11 +15,11 @@ from functools import partial
 
 import pytest
 import torch
+from loss_checks import assert_same_grads, guide_from, loss_and_grads, text_columns
 
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses, st_modules
 from st_ext.models import SentenceTransformer
-from loss_checks import assert_same_grads, guide_from, loss_and_grads, text_columns
 
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 upstream = st_losses()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import sentence_transformers
 from datasets import Dataset
+from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 from transformers import TrainerCallback
 
 import st_ext
 from st_ext import checkpointing, losses
 from st_ext._compat import CROSS_ENCODER_HAS_CHECKPOINTING, st_losses
-from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 
 
 class RecordCheckpointing(TrainerCallback):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_checks import assert_same_grads, features_of, random_texts
+from tiny_models import sentence_transformer_from
 
 from st_ext._compat import st_losses
 from st_ext.losses import triplet
 from st_ext.memory import measure_peak
-from loss_checks import assert_same_grads, features_of, random_texts
-from tiny_models import sentence_transformer_from
 
 upstream = st_losses()
 UPSTREAM_METRICS = upstream.BatchHardTripletLossDistanceFunction

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import build_tokenizer, sentence_transformer_from
 from torch import nn
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import st_modules
 from st_ext.losses.gradcache import embeds_with_static_embedding
-from tiny_models import build_tokenizer, sentence_transformer_from
 
 
 def static_embedding():

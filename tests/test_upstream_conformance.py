@@ -26,14 +26,14 @@ from types import SimpleNamespace
 
 import pytest
 import sentence_transformers
-from sentence_transformers import util
 import torch
 from datasets import Dataset
+from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
+from sentence_transformers import util
+from tiny_models import build_tokenizer, sentence_transformer_from
 
 from st_ext import losses
 from st_ext._compat import st_losses, st_modules
-from loss_checks import assert_same_grads, guide_from, loss_and_grads, pair_dataset, text_columns
-from tiny_models import build_tokenizer, sentence_transformer_from
 
 upstream = st_losses()
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]

@@ -19,7 +19,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from _upstream_source import (
     apply_patch,
     collect_check_script,

@@ -17,7 +17,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from _upstream_source import collect_check_script, patch_files, patched_source, start_check_script
 from tiny_models import SENTENCES
 

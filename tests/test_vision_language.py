@@ -23,8 +23,6 @@ if not hasattr(st_modules().Transformer, "modalities"):
         allow_module_level=True,
     )
 
-from st_ext import SentenceTransformer, losses  # noqa: E402
-from st_ext._compat import HAS_MULTI_VECTOR_ENCODER, preprocess, st_losses  # noqa: E402
 from loss_checks import assert_losses_agree, features_of, random_texts  # noqa: E402
 from tiny_vlm import (  # noqa: E402
     MERGE_SIZE,
@@ -34,6 +32,9 @@ from tiny_vlm import (  # noqa: E402
     save_tiny_clip,
     save_tiny_qwen2_vl,
 )
+
+from st_ext import SentenceTransformer, losses  # noqa: E402
+from st_ext._compat import HAS_MULTI_VECTOR_ENCODER, preprocess, st_losses  # noqa: E402
 
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 

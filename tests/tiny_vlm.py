@@ -16,10 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny_models import WORDS
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import AutoProcessor, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLProcessor
-
-from tiny_models import WORDS
 
 PAD, EOS, UNK = "<|endoftext|>", "<|im_end|>", "<|unk|>"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -47,9 +47,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {
@@ -525,9 +525,8 @@ def part3(ctx: Context, part: Part) -> None:
 
 
 def part4(ctx: Context, part: Part) -> None:
-    import torch
-
     import bench_sharded
+    import torch
 
     helper = ROOT / "tools" / "gpu_report_ranks.py"
     backend = {"name": "nccl" if ctx.cuda else "gloo"}
@@ -558,8 +557,8 @@ def part4(ctx: Context, part: Part) -> None:
     stages = [2] if ctx.dry_run else [2, 3]
 
     def equality(mode: str, runs: Callable[[str], list[tuple[str, str]]]) -> str:
-        import test_distributed as checks
         import distributed_worker as worker
+        import test_distributed as checks
         from gpu_report_ranks import on_device
 
         out = ctx.work / f"ranks-{mode}"
@@ -567,7 +566,7 @@ def part4(ctx: Context, part: Part) -> None:
         code, output = torchrun(ctx, helper, "--backend", backend["name"], "--stages", ",".join(map(str, stages)),
                                 mode, *paths, "--out", str(out), *cases)  # fmt: skip
         if code:
-            raise Failed(f"torchrun exit {code}: " + next((l for l in reversed(output.splitlines()) if "Error" in l), "")[:300])
+            raise Failed(f"torchrun exit {code}: " + next((line for line in reversed(output.splitlines()) if "Error" in line), "")[:300])
         on_device(worker, torch.device(ctx.device), backend["name"])
         verdicts = []
         for case in cases:
@@ -698,7 +697,6 @@ def flattened(model, kernel_name: str, kernel: Callable | None):
 
 def part5(ctx: Context, part: Part) -> None:
     import torch
-
     from varlen_attention import flattening_supported
 
     if not flattening_supported():

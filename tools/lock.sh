@@ -13,7 +13,7 @@ for env in "$@"; do
     "$python" -m venv "$venv"
     # shellcheck disable=SC2086  # the index arguments are words
     "$venv/bin/pip" install -q "$torch_spec" $torch_index_args
-    "$venv/bin/pip" install -q -r "requirements/$env.txt" -r requirements/test.txt -e .
+    "$venv/bin/pip" install -q -r "requirements/$env.txt" -r requirements/test.txt -e ".[cli]"
     {
         echo "# Made by \`make lock\` from requirements/$env.txt and requirements/test.txt; do not edit."
         "$venv/bin/pip" freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+)==' | sed 's/+cpu$//'

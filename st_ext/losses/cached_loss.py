@@ -25,8 +25,9 @@ labels, *, with_backward)``) is described by :func:`from_protocol`; the engine a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from torch import Tensor, nn
 

@@ -10,10 +10,10 @@ or the data collator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +24,8 @@ from st_ext._compat import own_submodules, preprocess
 from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses import it from here)
     Features,
     reads_flattened,
-    row_token_ids,
     row_keys,
+    row_token_ids,
     select_rows,
     to_padded,
 )

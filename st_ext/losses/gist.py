@@ -32,6 +32,9 @@ from transformers import PreTrainedTokenizerBase
 from st_ext import offload
 from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
+from st_ext.losses.auto_mini_batch import auto_state
+from st_ext.losses.cached_loss import CachedLoss, LossStep, described, register_cached_loss
+from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
@@ -56,9 +59,6 @@ from st_ext.losses.gradcache import (
     row_keys,
     validate_mini_batching,
 )
-from st_ext.losses.auto_mini_batch import auto_state
-from st_ext.losses.cached_loss import CachedLoss, LossStep, described, register_cached_loss
-from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()

@@ -27,10 +27,10 @@ passed to the loss's backward as arguments, so a second forward pass cannot corr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,6 @@ from st_ext.losses.cached_loss import (  # noqa: F401  (re-exported: the seam's 
     from_protocol,
     sentence_embedding,
 )
-from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
     ColumnLayout,
     Features,
@@ -60,6 +59,8 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     row_keys,
 )
 from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
+from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
+
 
 class RngState:
     """The CPU and accelerator generator states one mini-batch's first forward pass started from.

@@ -105,7 +105,7 @@ def _then(second, first, embeddings: Tensor) -> Tensor:
     return second(embeddings if first is None else first(embeddings))
 
 
-def matryoshka(description: CachedLoss, wrapper: "MatryoshkaLoss") -> CachedLoss:
+def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
     """``description`` trained at ``wrapper``'s dimensions: each call of its loss over embeddings (each
     layer's, under a layer-wise loss) draws the dimensions as upstream does and sums over truncations."""
 

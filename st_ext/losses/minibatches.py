@@ -19,8 +19,9 @@ per batch, before any forward pass, from one copy of each column's per-row facts
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +36,6 @@ from st_ext.losses.features import (  # noqa: F401  (ColumnLayout, layout_of: th
     layout_of,
     slice_rows,
 )
-
 
 # ---------------------------------------------------------------------------------------------
 # The plan

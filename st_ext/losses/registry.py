@@ -6,13 +6,17 @@ the same object as the Python spelled out. Every base name ``x`` also exists as 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from torch import nn
 
 from st_ext._compat import embedding_dimension, st_losses
-from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss, CachedMultipleNegativesSymmetricRankingLoss
+from st_ext.losses.cached_ranking import (
+    CachedMultipleNegativesRankingLoss,
+    CachedMultipleNegativesSymmetricRankingLoss,
+)
 from st_ext.losses.cross_batch_memory import with_memory
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss
 from st_ext.losses.matryoshka import MatryoshkaLoss

@@ -81,7 +81,7 @@ def can_trim_c_heap() -> bool:
     return _malloc_trim_function() is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _malloc_trim_function() -> Any:
     """glibc's ``malloc_trim`` through ctypes, or None off Linux / on another C library."""
     if not sys.platform.startswith("linux"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import UserDict
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch import nn
 

@@ -14,8 +14,9 @@ example, which only the saving rank runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -26,8 +26,8 @@ through: its ``_orig_mod`` is the engine's module.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -40,7 +40,7 @@ from st_ext._compat import compiled_module, fsdp2_module_class
 DEEPSPEED_READY_FLAG = "ds_grad_is_ready"
 
 
-def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
+def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
     """Backward passes inside this context reduce gradients across ranks only if ``sync``.
 
     With ``sync=False`` gradients accumulate on the rank; the first backward with ``sync=True``
@@ -58,7 +58,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> ContextManager[None]:
     return nullcontext()
 
 
-def _ddp_gradient_sync(model: DistributedDataParallel, sync: bool) -> ContextManager[None]:
+def _ddp_gradient_sync(model: DistributedDataParallel, sync: bool) -> AbstractContextManager[None]:
     if _compat.ddp_static_graph_first_iteration(model):
         return _ddp_forced_sync(model)
     if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator
 
 import sentence_transformers
 from torch import nn
@@ -27,7 +27,6 @@ from torch import nn
 from st_ext import _compat
 from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
-from st_ext.training.gradient_sync import sharded_by_fsdp2
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
@@ -40,6 +39,7 @@ from st_ext.training.frozen_encoders import (
     validate_frozen_encoder_mode,
 )
 from st_ext.training.fsdp_saving import whole_model_for_saving
+from st_ext.training.gradient_sync import sharded_by_fsdp2
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
 _LENT_METHODS = (

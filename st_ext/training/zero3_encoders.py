@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from st_ext.training.gradient_sync import zero3_partitioned
 from st_ext.offload.releasing import DEEPSPEED_ENGINE_ATTRIBUTE
 from st_ext.training.frozen_encoders import each_loss
+from st_ext.training.gradient_sync import zero3_partitioned
 
 
 def partitioned_frozen_encoders(loss: Any, model: nn.Module | None) -> list[nn.Module]:
