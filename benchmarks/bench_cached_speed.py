@@ -127,6 +127,7 @@ def make_losses(family: str, model, guide, dims: list[int], mbs: int, budget: fl
                 model, guide, mini_batch_size="auto", memory_budget_mb=budget
             ),
         }
+
     def wrap(lib, inner):  # each library's MatryoshkaLoss wraps that library's losses
         return lib.MatryoshkaLoss(model, inner, dims) if family == "matryoshka" else inner
 
@@ -210,8 +211,11 @@ def fmt(value: float | None, target: str = "") -> str:
 def speed_table(model, make, batches, device, args, auto_target: float) -> list[dict]:
     """Table (a) for one model × family: every row at every batch."""
     labels = ("uncached", f"upstream/{args.mini_batch}", f"st_ext/{args.mini_batch}", "st_ext/auto")
-    print(f"{'batch':>6} | " + " | ".join(f"{label:>22}" for label in labels)
-          + f" | {'up/mb÷unc':>9} {'st/mb÷unc':>9} {f'auto÷unc(≤{auto_target})':>16} {'st÷up(≤1.0)':>11}")
+    print(
+        f"{'batch':>6} | "
+        + " | ".join(f"{label:>22}" for label in labels)
+        + f" | {'up/mb÷unc':>9} {'st/mb÷unc':>9} {f'auto÷unc(≤{auto_target})':>16} {'st÷up(≤1.0)':>11}"
+    )
     records, oom_at = [], {}
     for batch in batches:
         cells = {}
@@ -234,8 +238,13 @@ def speed_table(model, make, batches, device, args, auto_target: float) -> list[
             "st_ext_auto/uncached": ratio(cells["st_ext_auto"], unc),
             "st_ext_cached/upstream_cached": ratio(cells["st_ext_cached"], cells["upstream_cached"]),
         }
-        print(f"{batch:>6} | " + " | ".join(f"{cell_text(cells[row]):>22}" for row in ROWS) + " | "
-              + " ".join(f"{fmt(v):>{w}}" for v, w in zip(ratios.values(), (9, 9, 16, 11))), flush=True)
+        print(
+            f"{batch:>6} | "
+            + " | ".join(f"{cell_text(cells[row]):>22}" for row in ROWS)
+            + " | "
+            + " ".join(f"{fmt(v):>{w}}" for v, w in zip(ratios.values(), (9, 9, 16, 11))),
+            flush=True,
+        )
         records.append({"batch": batch, "rows": cells, "ratios": ratios})
     return records
 
@@ -264,11 +273,20 @@ def budget_table(model, make_auto: Callable, records, budget: float, device, arg
     fixed = [(r["batch"], r["rows"]["st_ext_cached"]) for r in records if r["rows"]["st_ext_cached"].get("peak_mib")]
     fixed_growth = ratio(fixed[-1][1], fixed[0][1], "peak_mib") if fixed else None
     fixed_span = f"{fixed[-1][0]} ÷ at {fixed[0][0]}" if fixed else "largest ÷ smallest batch"
-    print(f"  largest batch within budget: {largest}; auto peak at it ÷ at {rows[0]['batch']}: "
-          f"{fmt(auto_growth, ' (≤1.1)')}; st_ext/{args.mini_batch} peak at {fixed_span}: "
-          f"{fmt(fixed_growth, ' (≤1.1)')}", flush=True)
-    return {"budget_mib": budget, "uncached_samples_per_s": base_sps, "rows": rows, "largest_batch": largest,
-            "auto_peak_growth": auto_growth, "st_ext_cached_peak_growth": fixed_growth}
+    print(
+        f"  largest batch within budget: {largest}; auto peak at it ÷ at {rows[0]['batch']}: "
+        f"{fmt(auto_growth, ' (≤1.1)')}; st_ext/{args.mini_batch} peak at {fixed_span}: "
+        f"{fmt(fixed_growth, ' (≤1.1)')}",
+        flush=True,
+    )
+    return {
+        "budget_mib": budget,
+        "uncached_samples_per_s": base_sps,
+        "rows": rows,
+        "largest_batch": largest,
+        "auto_peak_growth": auto_growth,
+        "st_ext_cached_peak_growth": fixed_growth,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -283,14 +301,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=None, help="default 4096 on CUDA, 256 on CPU")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; --quick: 1)")
     parser.add_argument("--no-memory", action="store_true", help="skip memory (slow on CPU); disables table (b)")
-    parser.add_argument("--no-tf32", action="store_true", help="CUDA: keep fp32 matmuls exact (default: TF32, as training on an H100 runs)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: every loss's forward passes under torch.autocast(bfloat16)")
-    parser.add_argument("--bert-size", default="12x768",
-                        help="LAYERSxHIDDEN of the bert-base model (a smaller one for quick runs)")
+    parser.add_argument(
+        "--no-tf32",
+        action="store_true",
+        help="CUDA: keep fp32 matmuls exact (default: TF32, as training on an H100 runs)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: every loss's forward passes under torch.autocast(bfloat16)",
+    )
+    parser.add_argument(
+        "--bert-size", default="12x768", help="LAYERSxHIDDEN of the bert-base model (a smaller one for quick runs)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke test: batches 8,16, mini-batch 4, seq 32, 1 repeat, 1 thread")
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU smoke test: batches 8,16, mini-batch 4, seq 32, 1 repeat, 1 thread"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.mini_batch, args.seq_len, args.repeats = "8,16", 4, 32, 1
@@ -320,10 +348,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)  # OpenMP threads spin-wait: oversubscribed cores make steps erratic
     header = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "sentence_transformers": sentence_transformers.__version__,
-        "seq_len": args.seq_len, "repeats": args.repeats, "mini_batch": args.mini_batch,
-        "threads": torch.get_num_threads(), "tf32": cuda and not args.no_tf32, "precision": args.precision,
+        "seq_len": args.seq_len,
+        "repeats": args.repeats,
+        "mini_batch": args.mini_batch,
+        "threads": torch.get_num_threads(),
+        "tf32": cuda and not args.no_tf32,
+        "precision": args.precision,
         "bert_size": args.bert_size,
     }
     print(", ".join(f"{key} {value}" for key, value in header.items()))

@@ -83,8 +83,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{batch_size:>5} | {plain_time:>8.3f} {ckpt_time:>8.3f} {ckpt_time / plain_time:>7.2f} | "
             f"{plain_mem:>9.1f} {ckpt_mem:>9.1f} {ckpt_mem / plain_mem:>6.2f}"
         )
-        rows.append({"batch": batch_size, "plain_s": plain_time, "checkpointed_s": ckpt_time,
-                     "plain_mib": plain_mem, "checkpointed_mib": ckpt_mem})
+        rows.append(
+            {
+                "batch": batch_size,
+                "plain_s": plain_time,
+                "checkpointed_s": ckpt_time,
+                "plain_mib": plain_mem,
+                "checkpointed_mib": ckpt_mem,
+            }
+        )
     return rows
 
 

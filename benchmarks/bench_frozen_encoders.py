@@ -131,8 +131,10 @@ def main() -> None:
 
     name = torch.cuda.get_device_name() if on_cuda else platform.processor() or platform.machine()
     meter = "torch.cuda.memory_allocated / max_memory_allocated" if on_cuda else "torch.profiler allocation events"
-    print(f"all-MiniLM-L6-v2 student and frozen encoder, batch {args.batch_size}, seq_len {args.seq_len}, "
-          f"device {device} ({name}), torch {torch.__version__}")
+    print(
+        f"all-MiniLM-L6-v2 student and frozen encoder, batch {args.batch_size}, seq_len {args.seq_len}, "
+        f"device {device} ({name}), torch {torch.__version__}"
+    )
     print(f"memory meter: {meter}; time: best of {args.repeats} steps; ratios: mode / upstream")
     print(f"{'loss':<12}{'mode':<12}{'held MiB':>10}{'x':>6}{'peak MiB':>10}{'x':>6}{'step s':>9}{'x':>6}")
     for loss_name in ("gist", "margin_mse"):

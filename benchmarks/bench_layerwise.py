@@ -110,5 +110,6 @@ def main(argv: list[str] | None = None) -> None:
         device,
     )
 
+
 if __name__ == "__main__":
     main()

@@ -87,8 +87,7 @@ def compare(title: str, pairs: list[tuple[str, Callable, Callable]], model, feat
     """One row per (name, ours, theirs): time and peak of each, and ours/theirs."""
     print(f"\n{title}")
     print(
-        f"{'loss':<34} | {'ours s':>7} {'theirs s':>8} {'time x':>6} | "
-        f"{'ours MiB':>8} {'theirs MiB':>10} {'mem x':>6}"
+        f"{'loss':<34} | {'ours s':>7} {'theirs s':>8} {'time x':>6} | {'ours MiB':>8} {'theirs MiB':>10} {'mem x':>6}"
     )
     for name, ours, theirs in pairs:
         ours_loss, theirs_loss = ours(), theirs()
@@ -226,6 +225,7 @@ def main() -> None:
     )
 
     budget_table("Matryoshka over MNRL", non_cached_matryoshka, cached_matryoshka, model, args, device)
+
 
 if __name__ == "__main__":
     main()

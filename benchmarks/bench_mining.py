@@ -202,9 +202,7 @@ def tiny_table(device: torch.device, repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip-tiny", action="store_true", help="only the main table")
@@ -219,9 +217,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    print(
-        f"machine: {machine_name(device)}; torch {torch.__version__}; pytorch-metric-learning {pml_version}"
-    )
+    print(f"machine: {machine_name(device)}; torch {torch.__version__}; pytorch-metric-learning {pml_version}")
     print(
         f"{NUM_CLASSES} classes, embeddings {EMBEDDING_SIZE}-d (clustered: spread {CLUSTER_SPREAD}), "
         f"margin {MARGIN}, best of {args.repeats}"
@@ -230,9 +226,7 @@ def main() -> None:
     with measure_peak(device) as probe:
         known = torch.empty(known_bytes, dtype=torch.uint8, device=device).fill_(1)
     del known
-    print(
-        f"meter check: a {mib(known_bytes).strip()} MiB tensor reads as {mib(probe.peak_bytes).strip()} MiB"
-    )
+    print(f"meter check: a {mib(known_bytes).strip()} MiB tensor reads as {mib(probe.peak_bytes).strip()} MiB")
     print_header(probe.meter)
     main_table(device, args.repeats)
     if not args.skip_tiny:

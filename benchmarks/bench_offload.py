@@ -105,12 +105,17 @@ def main() -> None:
     for scenario in SCENARIOS:
         completed = subprocess.run(
             [sys.executable, __file__, "--scenario", scenario, "--device", args.device],
-            capture_output=True, text=True, env=env, check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
         )
         rows.append(json.loads(completed.stdout.strip().splitlines()[-1]))
 
-    print(f"all-MiniLM-L6-v2 on {args.device}; meters: process RSS (/proc/self/statm)"
-          + (", torch.cuda.memory_allocated" if args.device == "cuda" else ""))
+    print(
+        f"all-MiniLM-L6-v2 on {args.device}; meters: process RSS (/proc/self/statm)"
+        + (", torch.cuda.memory_allocated" if args.device == "cuda" else "")
+    )
     header = f"{'scenario':<24}{'params MiB':>11}{'RSS back MiB':>14}{'CUDA back MiB':>15}{'check':>8}{'time s':>8}"
     print(header)
     for row in rows:

@@ -63,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs (two ranks may share one)")
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with --cuda, else gloo")
+    parser.add_argument(
+        "--backend", choices=("nccl", "gloo"), default=None, help="default: nccl with --cuda, else gloo"
+    )
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision in every engine")
     parser.add_argument("--json", help="also write the table's rows to this JSON file")
     parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
@@ -143,7 +145,11 @@ def run_rank(engine: str, args) -> dict:
     import torch.distributed as dist
 
     distributed = engine != "one process"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()) if args.cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if args.cuda
+        else torch.device("cpu")
+    )
     if args.cuda:
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -182,7 +188,9 @@ def train_steps(engine: str, args, device, rank: int) -> tuple[list[float], str 
     backward, step = None, None
     autocast = args.bf16 and "zero" not in engine and "fsdp2" not in engine  # the engines cast themselves
     if engine.endswith("ddp"):
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=True, broadcast_buffers=False
+        )
         swap_model_in_loss(loss, wrapped)
     elif "fsdp2" in engine:
         from torch.distributed.fsdp import fully_shard

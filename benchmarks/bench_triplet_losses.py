@@ -47,7 +47,9 @@ def unit_rows(count: int, device: torch.device, seed: int) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(count, EMBEDDING_SIZE, generator=generator), dim=1).to(device)
 
 
-def forward_backward(loss: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(
+    loss: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     leaf = rows.clone().requires_grad_()
     value = loss(leaf)
     value.backward()
@@ -82,13 +84,18 @@ def peak_mib(function: Callable[[], object], device: torch.device) -> float:
 def in_batch_table(device: torch.device, repeats: int) -> None:
     upstream = st_losses()
     print(f"\n1. In-batch, sentence-transformers {sentence_transformers.__version__} vs st_ext, 8 texts per class")
-    print(f"{'loss':<26}{'batch':>6}{'time up':>10}{'time st':>10}{'ratio':>7}{'MiB up':>9}{'MiB st':>9}{'ratio':>7}{'max diff':>10}")
+    print(
+        f"{'loss':<26}{'batch':>6}{'time up':>10}{'time st':>10}{'ratio':>7}{'MiB up':>9}{'MiB st':>9}{'ratio':>7}{'max diff':>10}"
+    )
     for batch in BATCHES:
         rows, labels = unit_rows(batch, device, seed=batch), (torch.arange(batch) // 8).to(device)
         for name in LOSSES:
             theirs = getattr(upstream, name)(Rows(), margin=MARGIN)
             ours = getattr(triplet, name)(Rows(), margin=MARGIN)
-            runs = [lambda loss=loss: forward_backward(lambda x: loss([{"rows": x}], labels), rows) for loss in (theirs, ours)]
+            runs = [
+                lambda loss=loss: forward_backward(lambda x: loss([{"rows": x}], labels), rows)
+                for loss in (theirs, ours)
+            ]
             (value_up, grad_up), (value_st, grad_st) = runs[0](), runs[1]()
             difference = max(
                 float((value_up - value_st).abs() / value_up.abs().clamp(min=1e-12)),
@@ -118,7 +125,9 @@ def memory_table(device: torch.device, repeats: int) -> None:
 
         def pml_loss(x: torch.Tensor) -> torch.Tensor:
             # The queue holds the memory, then the batch is enqueued (PML's order): references = batch + memory.
-            xbm = CrossBatchMemory(TripletMarginLoss(margin=MARGIN), EMBEDDING_SIZE, memory_size=memory_rows + batch).to(device)
+            xbm = CrossBatchMemory(
+                TripletMarginLoss(margin=MARGIN), EMBEDDING_SIZE, memory_size=memory_rows + batch
+            ).to(device)
             xbm.embedding_memory[:memory_rows] = memory
             xbm.label_memory[:memory_rows] = memory_labels
             xbm.queue_idx = memory_rows
@@ -126,7 +135,9 @@ def memory_table(device: torch.device, repeats: int) -> None:
 
         runs = [
             lambda: forward_backward(pml_loss, rows),
-            lambda: forward_backward(lambda x: ours.compute_loss_from_embeddings([x], labels, memory, memory_labels), rows),
+            lambda: forward_backward(
+                lambda x: ours.compute_loss_from_embeddings([x], labels, memory, memory_labels), rows
+            ),
         ]
         # Values only: PML detaches the batch's own rows as references (they sit in its queue), st_ext
         # back-propagates through them, so gradients differ by design.

@@ -61,7 +61,9 @@ def main() -> None:
     budget = 2 * large
     inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=budget)
     auto_peak = step_peak(model, losses.MatryoshkaLoss(model, inner, DIMS), pairs, args.batch_size)
-    print(f"mini_batch_size='auto' under a {budget:.0f} MiB budget: {inner.auto_mini_batch.choice}; step peak {auto_peak:.0f} MiB")
+    print(
+        f"mini_batch_size='auto' under a {budget:.0f} MiB budget: {inner.auto_mini_batch.choice}; step peak {auto_peak:.0f} MiB"
+    )
 
     training_args = SentenceTransformerTrainingArguments(
         output_dir=args.output_dir,

@@ -42,7 +42,9 @@ def one_step_peak(model: CrossEncoder, dataset: Dataset) -> float:
     Gradients are allocated by a first pass and kept, so the figure is what checkpointing changes.
     """
     batch = dataset[:32]
-    features = model.tokenizer(batch["query"], batch["passage"], padding=True, truncation=True, max_length=64, return_tensors="pt")
+    features = model.tokenizer(
+        batch["query"], batch["passage"], padding=True, truncation=True, max_length=64, return_tensors="pt"
+    )
     model.train()
     [(_, classifier)] = checkpointable_modules(model)  # the Hugging Face model, on every layout
     classifier(**features).logits.sum().backward()
@@ -65,7 +67,9 @@ def main() -> None:
     model.gradient_checkpointing_enable()
     checkpointed = one_step_peak(model, dataset)
     model.gradient_checkpointing_disable()
-    print(f"one step, 32 pairs, activation memory: {plain:.0f} MiB without checkpointing, {checkpointed:.0f} MiB with ({checkpointed / plain:.2f}x)")
+    print(
+        f"one step, 32 pairs, activation memory: {plain:.0f} MiB without checkpointing, {checkpointed:.0f} MiB with ({checkpointed / plain:.2f}x)"
+    )
 
     training_args = CrossEncoderTrainingArguments(
         output_dir=args.output_dir,
@@ -77,11 +81,15 @@ def main() -> None:
         logging_steps=5,
         use_cpu=not torch.cuda.is_available(),
     )
-    trainer = CrossEncoderTrainer(model=model, args=training_args, train_dataset=dataset, loss=BinaryCrossEntropyLoss(model))
+    trainer = CrossEncoderTrainer(
+        model=model, args=training_args, train_dataset=dataset, loss=BinaryCrossEntropyLoss(model)
+    )
     trainer.train()
     print(f"trained {args.max_steps} steps with checkpointing on: {model.is_gradient_checkpointing}")
     query, good, bad = dataset[0]["query"], dataset[0]["passage"], dataset[1]["passage"]
-    print(f"score({query!r}, own summary) = {model.predict([(query, good)])[0]:.3f}; other summary = {model.predict([(query, bad)])[0]:.3f}")
+    print(
+        f"score({query!r}, own summary) = {model.predict([(query, good)])[0]:.3f}; other summary = {model.predict([(query, bad)])[0]:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ def main() -> None:
     )
     for report in trainer.frozen_encoder_reports:
         print(report)
-    print(f"teacher in {args.teacher_mode} mode: {loss.teacher_labels or 'no table'}, "
-          f"teacher parameters on {next(teacher.parameters()).device}")
+    print(
+        f"teacher in {args.teacher_mode} mode: {loss.teacher_labels or 'no table'}, "
+        f"teacher parameters on {next(teacher.parameters()).device}"
+    )
     trainer.train()
     print(f"distilled {args.max_steps} steps into a {len(student[0].auto_model.encoder.layer)}-layer student")
 

@@ -73,7 +73,9 @@ class TripletCounts(TrainerCallback):
         metric = self.loss.loss.distance_metric
         _, alone = batch_all_triplet_counts(triplet_distances(metric, batch), batch_labels, batch_labels, MARGIN)
         ref_labels = torch.cat([batch_labels, memory_labels])
-        _, with_memory = batch_all_triplet_counts(triplet_distances(metric, batch, memory), batch_labels, ref_labels, MARGIN)
+        _, with_memory = batch_all_triplet_counts(
+            triplet_distances(metric, batch, memory), batch_labels, ref_labels, MARGIN
+        )
         tqdm.write(
             f"step {state.global_step:>3}: triplets with a positive loss: batch alone {alone:>6}, "
             f"batch + memory {with_memory:>8} ({len(memory)} memory rows)"
@@ -96,7 +98,11 @@ def compare_peaks(model, rows: list[dict], batch_size: int, memory_size: int) ->
     triplets, memory_loss = build_loss(model, memory_size)
     queued = model.encode(texts[batch_size : batch_size + memory_size], convert_to_tensor=True, batch_size=64)
     memory_loss.load_memory_state(
-        {**memory_loss.memory_state(), "embeddings": queued.cpu(), "labels": labels[batch_size : batch_size + memory_size]}
+        {
+            **memory_loss.memory_state(),
+            "embeddings": queued.cpu(),
+            "labels": labels[batch_size : batch_size + memory_size],
+        }
     )
     model.train()
     step_peak_mib(model, triplets, texts[:batch_size], labels[:batch_size])  # allocates the gradients once
@@ -138,7 +144,9 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         seed=0,
     )
-    trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=Dataset.from_list(rows), loss=loss)
+    trainer = SentenceTransformerTrainer(
+        model=model, args=training_args, train_dataset=Dataset.from_list(rows), loss=loss
+    )
     trainer.add_callback(TripletCounts(loss, args.batch_size))
     trainer.train()
 

@@ -415,7 +415,11 @@ _MODULE_HOOK_DICTS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
-_MODULE_HOOK_FLAG_DICTS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+_MODULE_HOOK_FLAG_DICTS = (
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
 
 
 def clear_module_hooks(module: nn.Module) -> int:

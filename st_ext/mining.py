@@ -66,8 +66,7 @@ def check_labels(labels, name: str = "labels") -> torch.Tensor:
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(
-            f"{name} must be a torch.Tensor, got {type(labels).__name__}; "
-            f"convert it with torch.as_tensor({name})."
+            f"{name} must be a torch.Tensor, got {type(labels).__name__}; convert it with torch.as_tensor({name})."
         )
     if labels.ndim != 1:
         raise ValueError(
@@ -85,8 +84,7 @@ def _check_same_device(labels: torch.Tensor, ref_labels: torch.Tensor) -> None:
     """Labels and reference labels are compared elementwise, so they must share a device."""
     if labels.device != ref_labels.device:
         raise ValueError(
-            f"labels are on {labels.device} but ref_labels on {ref_labels.device}; "
-            f"move both to the same device."
+            f"labels are on {labels.device} but ref_labels on {ref_labels.device}; move both to the same device."
         )
 
 
@@ -287,9 +285,7 @@ def repeated_runs_writer(
     return write
 
 
-def gathering_writer(
-    source: torch.Tensor, segment_start: torch.Tensor, segment_length: torch.Tensor
-) -> ColumnWriter:
+def gathering_writer(source: torch.Tensor, segment_start: torch.Tensor, segment_length: torch.Tensor) -> ColumnWriter:
     """A column gathered from arbitrary segments of ``source`` (see :func:`gather_segments`)."""
 
     def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
@@ -373,9 +369,7 @@ def all_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor | None =
     return grouped_triplets_indices(labels, ref_labels, self_reference)
 
 
-def grouped_triplets_indices(
-    labels: torch.Tensor, ref_labels: torch.Tensor, self_reference: bool
-) -> Triplets:
+def grouped_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor, self_reference: bool) -> Triplets:
     """All triplets by the three steps of the module docstring, in (a, p, n) order.
 
     Each (anchor, positive) pair is followed by the negatives of its anchor's class: one run of a
@@ -580,9 +574,7 @@ def _check_embeddings(embeddings, labels: torch.Tensor, name: str, labels_name: 
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(embeddings).__name__}.")
     if embeddings.ndim != 2:
-        raise ValueError(
-            f"{name} must be 2-D (batch_size, embedding_size), got shape {tuple(embeddings.shape)}."
-        )
+        raise ValueError(f"{name} must be 2-D (batch_size, embedding_size), got shape {tuple(embeddings.shape)}.")
     if len(embeddings) != len(labels):
         raise ValueError(
             f"{name} has {len(embeddings)} rows but {labels_name} has {len(labels)} entries; "
@@ -616,8 +608,7 @@ class TripletMarginMiner(torch.nn.Module):
             raise ValueError(f"type_of_triplets must be one of {TRIPLET_TYPES}, got {type_of_triplets!r}.")
         if isinstance(distance, str) and distance not in DISTANCES:
             raise ValueError(
-                f"distance must be one of {DISTANCES} or a callable returning a (B, M) matrix, "
-                f"got {distance!r}."
+                f"distance must be one of {DISTANCES} or a callable returning a (B, M) matrix, got {distance!r}."
             )
         if not isinstance(distance, str) and not callable(distance):
             raise TypeError(f"distance must be a name or a callable, got {type(distance).__name__}.")
@@ -670,9 +661,7 @@ class TripletMarginMiner(torch.nn.Module):
             return _empty_triplets(embeddings.device)
         matrix, is_similarity = distance_matrix(embeddings, ref_emb, self.distance)
         if not torch.isfinite(matrix).all():
-            raise ValueError(
-                "the distance matrix contains NaN or inf; check the embeddings for NaN/inf values."
-            )
+            raise ValueError("the distance matrix contains NaN or inf; check the embeddings for NaN/inf values.")
         # Negated similarities turn "ap - an" into "an' - ap'" with identical rounding.
         oriented = -matrix if is_similarity else matrix
         lower, upper = margin_window(self.type_of_triplets, self.margin)

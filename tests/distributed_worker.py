@@ -505,7 +505,12 @@ def deepspeed_auto_run(stage: int, model_dir: Path) -> dict:
         engine.destroy()
         return {"error": str(error)}
     engine.backward(value)
-    record = {"error": None, "loss": value.item(), "size": inner.auto_mini_batch.choice.size, "grads": full_grads(model)}
+    record = {
+        "error": None,
+        "loss": value.item(),
+        "size": inner.auto_mini_batch.choice.size,
+        "grads": full_grads(model),
+    }
     engine.destroy()
     return record
 
@@ -817,6 +822,7 @@ def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, froze
     if frozen_encoders == "resident":
         report["offload_error"] = offload_refusal(model_dir, guide_dir, out_dir / "offload")
     save_report_and_close(out_dir, f"guide-{frozen_encoders}", report)
+
 
 # ---------------------------------------------------------------------------------------------
 # Engine parity with upstream's cached losses (tests/test_engine_parity.py)

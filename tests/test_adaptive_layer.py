@@ -58,12 +58,21 @@ def wrapper_options():
 
 INNER = {
     # name: (st_ext's cached inner, upstream's non-cached reference inner, number of columns)
-    "mnrl": (lambda m, g, size: losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size=size),
-             lambda m, g: upstream.MultipleNegativesRankingLoss(m), 2),
-    "mnrl-hard-negatives": (lambda m, g, size: upstream.CachedMultipleNegativesRankingLoss(m, mini_batch_size=size),
-                            lambda m, g: upstream.MultipleNegativesRankingLoss(m), 3),
-    "gist": (lambda m, g, size: losses.CachedGISTEmbedLoss(m, g, mini_batch_size=size),
-             lambda m, g: upstream.GISTEmbedLoss(m, g), 2),
+    "mnrl": (
+        lambda m, g, size: losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size=size),
+        lambda m, g: upstream.MultipleNegativesRankingLoss(m),
+        2,
+    ),
+    "mnrl-hard-negatives": (
+        lambda m, g, size: upstream.CachedMultipleNegativesRankingLoss(m, mini_batch_size=size),
+        lambda m, g: upstream.MultipleNegativesRankingLoss(m),
+        3,
+    ),
+    "gist": (
+        lambda m, g, size: losses.CachedGISTEmbedLoss(m, g, mini_batch_size=size),
+        lambda m, g: upstream.GISTEmbedLoss(m, g),
+        2,
+    ),
 }
 
 
@@ -126,7 +135,9 @@ def test_auto_mini_batches_under_a_layer_wise_loss(model4, budget):
     columns = text_columns(BATCH, 2, min_words=10, max_words=16)
     inner = losses.CachedMultipleNegativesRankingLoss(model4, mini_batch_size="auto", memory_budget_mb=budget)
     ours = losses.Matryoshka2dLoss(model4, inner, DIMS, n_layers_per_step=-1)
-    reference = upstream.Matryoshka2dLoss(model4, upstream.MultipleNegativesRankingLoss(model4), DIMS, n_layers_per_step=-1)
+    reference = upstream.Matryoshka2dLoss(
+        model4, upstream.MultipleNegativesRankingLoss(model4), DIMS, n_layers_per_step=-1
+    )
     assert_losses_agree(model4, ours, reference, columns, train=False)
     assert inner.auto_mini_batch.choice is not None
 

@@ -100,7 +100,9 @@ def trainer_with_args(archetype: str, model, args, callbacks=(), **options):
 
         dataset, loss = scored_pair_dataset(), BinaryCrossEntropyLoss(model)
     trainer_class = getattr(st_ext, f"{archetype}Trainer")
-    return trainer_class(model=model, args=args, train_dataset=dataset, loss=loss, callbacks=list(callbacks), **options)
+    return trainer_class(
+        model=model, args=args, train_dataset=dataset, loss=loss, callbacks=list(callbacks), **options
+    )
 
 
 # --- imports on every version ---------------------------------------------------------------------------
@@ -319,7 +321,9 @@ def test_checkpointing_uses_transformers_current_names_only(archetype, request, 
     """Every switch, every property and a 2-step training run: only the names this transformers prefers are
     called on the Hugging Face models (the old ones on transformers 4), and nothing says "removed in v6"."""
     model = build(archetype, request)
-    args = training_args(getattr(st_ext, f"{archetype}TrainingArguments"), tmp_path / "out")  # see the module docstring
+    args = training_args(
+        getattr(st_ext, f"{archetype}TrainingArguments"), tmp_path / "out"
+    )  # see the module docstring
     calls = spy_on_switches(model)
     recorder = RecordCheckpointing(model)
     with captured_messages() as messages:

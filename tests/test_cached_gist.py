@@ -185,7 +185,9 @@ def test_offloaded_guide_stays_on_cpu_between_steps(tiny_bert_dir, guide_dir):
         model, losses.CachedGISTEmbedLoss(model, guide, mini_batch_size=3, offload_guide=True), DIMS
     ).to("cuda")
     columns = text_columns(BATCH, 2)
-    features = [{k: v.to("cuda") if torch.is_tensor(v) else v for k, v in f.items()} for f in features_of(model, columns)]
+    features = [
+        {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in f.items()} for f in features_of(model, columns)
+    ]
     offloaded(features, None).backward()
     assert {p.device.type for p in guide.parameters()} == {"cpu"}
     assert all(p.grad is not None for name, p in model.named_parameters() if "pooler" not in name)
@@ -265,7 +267,9 @@ def test_stock_trainer_trains_matryoshka_cached_gist(model, guide, tmp_path, pre
         use_cpu=True,
         seed=0,
     )
-    trainer = sentence_transformers.SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+    trainer = sentence_transformers.SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=dataset, loss=loss
+    )
     trainer.train()
     assert any(not torch.equal(old, new) for old, new in zip(before, model.parameters()))
     model.save(str(tmp_path / "saved"))

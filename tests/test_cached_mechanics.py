@@ -177,7 +177,9 @@ def test_bf16_autocast_matches_the_non_cached_loss(bf16_model, guide, case, back
     assert embeddings.dtype == torch.bfloat16, "the premise: bf16 embeddings under autocast"
 
     reference = case.same_arithmetic or case.reference
-    cached_value, cached_grads = in_autocast(model, case.cached(model, guide), columns, backward_inside=backward_inside)
+    cached_value, cached_grads = in_autocast(
+        model, case.cached(model, guide), columns, backward_inside=backward_inside
+    )
     reference_value, reference_grads = in_autocast(model, reference(model, guide), columns)
     fp32_value, fp32_grads = in_autocast(model, reference(model, guide), columns, enabled=False)
 

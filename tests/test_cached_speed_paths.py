@@ -130,7 +130,9 @@ def test_merged_mini_batches_cut_across_columns_and_equal_the_uncached_loss(mode
     assert [rows for with_graph, rows, _ in calls if not with_graph] == [6] * (expected_passes - 1) + [
         BATCH * num_columns - 6 * (expected_passes - 1)
     ]
-    assert_same_grads(actual, loss_and_grads(model, upstream.MultipleNegativesRankingLoss(model), columns, train=False))
+    assert_same_grads(
+        actual, loss_and_grads(model, upstream.MultipleNegativesRankingLoss(model), columns, train=False)
+    )
 
 
 def test_each_mini_batch_is_padded_to_its_own_longest_row(model):
@@ -249,7 +251,9 @@ def test_out_of_memory_while_measuring_counts_as_over_budget(model, monkeypatch)
     real_probe = auto_mini_batch._probe_peak
     monkeypatch.setattr(auto_mini_batch, "measure_peak", full_above_four_rows)
     monkeypatch.setattr(
-        auto_mini_batch, "_probe_peak", lambda m, f, d, passes: (probe_rows.append(len(f["input_ids"])), real_probe(m, f, d, passes))[1]
+        auto_mini_batch,
+        "_probe_peak",
+        lambda m, f, d, passes: (probe_rows.append(len(f["input_ids"])), real_probe(m, f, d, passes))[1],
     )
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     loss = cmnrl(model, "auto", memory_budget_mb=1024)
@@ -331,12 +335,14 @@ def test_auto_may_checkpoint_a_larger_mini_batch_and_leaves_the_model_as_it_was(
     monkeypatch.setattr(auto_mini_batch._Series, "step_seconds", lambda self, size: 1.0 / (1 + self.checkpointed))
     loss = cmnrl(model, "auto", memory_budget_mb=budget / 2**20)
     passes = []
-    model.register_forward_pre_hook(lambda module, args: passes.append((torch.is_grad_enabled(), checkpointing.is_enabled(module))))
+    model.register_forward_pre_hook(
+        lambda module, args: passes.append((torch.is_grad_enabled(), checkpointing.is_enabled(module)))
+    )
 
     actual = loss_and_grads(model, loss, columns, train=True)
     choice = loss.auto_mini_batch.choice
     assert choice.checkpointing and choice.size > 4 and "with gradient checkpointing" in str(choice), choice
-    step = passes[-2 * math.ceil(32 / choice.size):]
+    step = passes[-2 * math.ceil(32 / choice.size) :]
     assert all(on == with_graph for with_graph, on in step), "checkpointing in the graph passes only"
     assert not checkpointing.is_enabled(model)
     assert_same_grads(actual, loss_and_grads(model, upstream.MultipleNegativesRankingLoss(model), columns, train=True))

@@ -158,7 +158,9 @@ def test_custom_module_without_disable_is_reported():
 
 
 def checkpointing_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == checkpointing.__name__ and r.levelno == logging.WARNING]
+    return [
+        r.getMessage() for r in caplog.records if r.name == checkpointing.__name__ and r.levelno == logging.WARNING
+    ]
 
 
 def static_embedding_model(model_class=SentenceTransformer, behind_router: bool = False):

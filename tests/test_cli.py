@@ -17,14 +17,18 @@ from st_ext.cli import EXIT_BAD_INPUT, main
 #: How a config error describes ``gradient_checkpointing``: transformers 5 declares it ``bool | None``.
 CHECKPOINTING_EXPECTS = (
     "true or false or nothing"
-    if type(None) in typing.get_args(typing.get_type_hints(SentenceTransformerTrainingArguments)["gradient_checkpointing"])
+    if type(None)
+    in typing.get_args(typing.get_type_hints(SentenceTransformerTrainingArguments)["gradient_checkpointing"])
     else "true or false"
 )
 
 
 @pytest.fixture
 def pairs_file(tmp_path):
-    rows = [{"question": f"{s} {i}", "answer": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"} for i, s in enumerate(SENTENCES * 3)]
+    rows = [
+        {"question": f"{s} {i}", "answer": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"}
+        for i, s in enumerate(SENTENCES * 3)
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
@@ -32,9 +36,27 @@ def pairs_file(tmp_path):
 
 def tiny_run_args(model_dir, data, output_dir, *extra):
     return [
-        "train", "--model", str(model_dir), "--data", str(data), "--anchor-column", "question",
-        "--positive-column", "answer", "--max-steps", "2", "--batch-size", "4", "--mini-batch-size", "2",
-        "--matryoshka-dims", "32", "16", "--output-dir", str(output_dir), *extra,
+        "train",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--anchor-column",
+        "question",
+        "--positive-column",
+        "answer",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--mini-batch-size",
+        "2",
+        "--matryoshka-dims",
+        "32",
+        "16",
+        "--output-dir",
+        str(output_dir),
+        *extra,
     ]
 
 
@@ -45,8 +67,15 @@ def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_
         assert main(tiny_run_args(tiny_bert_dir, pairs_file, output, "--loss", "matryoshka_cached_mnrl")) == 0
     finally:
         os.umask(previous_umask)
-    written = [output / "model", output / "model" / "modules.json", output / "metrics.json", output / "ndcg_by_dim.png"]
-    assert [oct(path.stat().st_mode & 0o777) for path in written] == ["0o755", "0o644", "0o644", "0o644"], "the user's umask"
+    written = [
+        output / "model",
+        output / "model" / "modules.json",
+        output / "metrics.json",
+        output / "ndcg_by_dim.png",
+    ]
+    assert [oct(path.stat().st_mode & 0o777) for path in written] == ["0o755", "0o644", "0o644", "0o644"], (
+        "the user's umask"
+    )
     printed = capsys.readouterr().out
     assert "recall@10" in printed and str(output / "ndcg_by_dim.png") in printed
     metrics = json.loads((output / "metrics.json").read_text())
@@ -114,13 +143,25 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
         (["--output-dir", "__FILE__/run"], "is a file, not a directory; pass a directory for the results"),
         (["--data", "__TMP__"], "is a directory; pass a JSONL, CSV or Parquet file"),
         (["--model", "__TMP__"], "holds no model (none of modules.json, config.json)"),
-        (["--loss", "cosent"], "'cosent' trains on (sentence_A, sentence_B, score) rows, but st-ext train gives (anchor, positive) rows"),
+        (
+            ["--loss", "cosent"],
+            "'cosent' trains on (sentence_A, sentence_B, score) rows, but st-ext train gives (anchor, positive) rows",
+        ),
         (["--loss", "batch_all_triplet"], "'batch_all_triplet' trains on (text, label) rows"),
-        (["--loss", "cached_mnrl", "--guide", "__TMP__"], "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)"),
+        (
+            ["--loss", "cached_mnrl", "--guide", "__TMP__"],
+            "guide: 'cached_mnrl' would ignore it (only the GIST losses use a guide)",
+        ),
         (["--loss", "mnrl"], "mini_batch_size: 'mnrl' would ignore it (only the cached losses split batches"),
-        (["--memory-budget-mb", "100"], "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto"),
+        (
+            ["--memory-budget-mb", "100"],
+            "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto",
+        ),
         # The library's message names the Python arguments; the command adds their flags.
-        (["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"], "Raise memory_budget_mb, or choose a lighter optimizer (the training arguments' optim, e.g. 'adafactor'). (flags: --mini-batch-size, --memory-budget-mb, --optim)"),
+        (
+            ["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"],
+            "Raise memory_budget_mb, or choose a lighter optimizer (the training arguments' optim, e.g. 'adafactor'). (flags: --mini-batch-size, --memory-budget-mb, --optim)",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys, change, message):
@@ -147,9 +188,15 @@ def test_bad_input_is_one_clear_line(tiny_bert_dir, pairs_file, tmp_path, capsys
         ("batch_size: eight\n", "config: batch_size: expected an integer, got 'eight'."),
         ("batch_size:\n", "config: batch_size: expected an integer, got None."),
         ("batch_size: 2.5\n", "config: batch_size: expected an integer, got 2.5."),
-        ("matryoshka_dims: 32\n", "config: matryoshka_dims: expected a list (an integer each), e.g. [384, 128], got 32."),
+        (
+            "matryoshka_dims: 32\n",
+            "config: matryoshka_dims: expected a list (an integer each), e.g. [384, 128], got 32.",
+        ),
         ("matryoshka_dims: [32, x]\n", "config: matryoshka_dims: expected an integer, got 'x'."),
-        ("gradient_checkpointing: maybe\n", f"config: gradient_checkpointing: expected {CHECKPOINTING_EXPECTS}, got 'maybe'."),
+        (
+            "gradient_checkpointing: maybe\n",
+            f"config: gradient_checkpointing: expected {CHECKPOINTING_EXPECTS}, got 'maybe'.",
+        ),
         ("model: [a, b]\n", "config: model: expected text or nothing, got ['a', 'b']."),
         ("memory_budget_mb: lots\n", "config: memory_budget_mb: expected a number or nothing, got 'lots'."),
     ],
@@ -166,9 +213,14 @@ def test_config_values_are_converted_as_flags_would_be(tiny_bert_dir, pairs_file
     from st_ext.cli.arguments import load_config_file
 
     config = tmp_path / "config.yaml"
-    config.write_text("learning_rate: 1e-4\nmodel: 5\nbatch_size: '8'\nmini_batch_size: auto\ngradient_checkpointing: yes\n")
+    config.write_text(
+        "learning_rate: 1e-4\nmodel: 5\nbatch_size: '8'\nmini_batch_size: auto\ngradient_checkpointing: yes\n"
+    )
     assert load_config_file(config) == {
-        "learning_rate": 1e-4, "model": "5", "per_device_train_batch_size": 8, "mini_batch_size": "auto",
+        "learning_rate": 1e-4,
+        "model": "5",
+        "per_device_train_batch_size": 8,
+        "mini_batch_size": "auto",
         "gradient_checkpointing": True,
     }
 
@@ -253,7 +305,9 @@ def test_every_error_has_the_same_form(capsys):
     assert own_error == "st-ext train: error: config: / is a directory; pass a YAML or JSON file."
 
 
-def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pairs_file, tmp_path, monkeypatch, capsys):
+def test_an_interrupt_is_one_line_saying_where_the_results_are(
+    tiny_bert_dir, pairs_file, tmp_path, monkeypatch, capsys
+):
     from st_ext.cli import job
 
     def interrupted(config, trainer_settings, **options):
@@ -262,7 +316,10 @@ def test_an_interrupt_is_one_line_saying_where_the_results_are(tiny_bert_dir, pa
     monkeypatch.setattr(job, "run", interrupted)
     assert main(tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run")) == 130
     err = capsys.readouterr().err.strip()
-    assert err == f"st-ext train: interrupted; nothing was written to {tmp_path / 'run'}: it holds the previous run's results, if any."
+    assert (
+        err
+        == f"st-ext train: interrupted; nothing was written to {tmp_path / 'run'}: it holds the previous run's results, if any."
+    )
 
 
 def test_max_pairs_caps_only_the_built_in_pairs(tmp_path):
@@ -280,7 +337,17 @@ def test_max_pairs_caps_only_the_built_in_pairs(tmp_path):
 def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):
     empty = tmp_path / "empty.csv"
     empty.write_text("anchor,positive\n")
-    args = ["train", "--model", str(tiny_bert_dir), "--data", str(empty), "--output-dir", str(tmp_path / "run"), "--matryoshka-dims", "32"]
+    args = [
+        "train",
+        "--model",
+        str(tiny_bert_dir),
+        "--data",
+        str(empty),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--matryoshka-dims",
+        "32",
+    ]
     assert main(args) == EXIT_BAD_INPUT
     assert "data:" in capsys.readouterr().err
 
@@ -350,7 +417,9 @@ def test_matryoshka_dims_above_the_model_size_fail_before_anything_loads(tmp_pat
     ]
 
 
-def test_a_model_whose_files_do_not_declare_its_size_is_checked_right_after_loading(tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch):
+def test_a_model_whose_files_do_not_declare_its_size_is_checked_right_after_loading(
+    tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch
+):
     from st_ext.cli import job
 
     def not_now(*args, **kwargs):
@@ -362,7 +431,10 @@ def test_a_model_whose_files_do_not_declare_its_size_is_checked_right_after_load
     args[args.index("--matryoshka-dims") + 1 : args.index("--matryoshka-dims") + 3] = ["64", "16"]
     assert main(args) == EXIT_BAD_INPUT
     errors = capsys.readouterr().err.strip().splitlines()
-    assert errors[-1] == "st-ext train: error: matryoshka_dims: [64] exceed the model's embedding size 32; use 32 or less."
+    assert (
+        errors[-1]
+        == "st-ext train: error: matryoshka_dims: [64] exceed the model's embedding size 32; use 32 or less."
+    )
 
 
 def test_the_size_a_saved_model_declares_is_the_size_it_loads_with(tiny_bert_dir, tmp_path):
@@ -373,11 +445,17 @@ def test_the_size_a_saved_model_declares_is_the_size_it_loads_with(tiny_bert_dir
 
     modules = st_modules()
     folders = {"plain transformers model": tiny_bert_dir, "packaged": packaged_model_path()}
-    two_modes = modules.Pooling(32, pooling_mode_cls_token=True, pooling_mode_max_tokens=True, pooling_mode_mean_tokens=False)
+    two_modes = modules.Pooling(
+        32, pooling_mode_cls_token=True, pooling_mode_max_tokens=True, pooling_mode_mean_tokens=False
+    )
     stacks = {
         "mean pooling": [modules.Pooling(32)],
         "two pooling modes": [two_modes],
-        "dense and normalize": [modules.Pooling(32), modules.Dense(in_features=32, out_features=16), modules.Normalize()],
+        "dense and normalize": [
+            modules.Pooling(32),
+            modules.Dense(in_features=32, out_features=16),
+            modules.Normalize(),
+        ],
     }
     for label, rest in stacks.items():
         model = SentenceTransformer(modules=[modules.Transformer(str(tiny_bert_dir)), *rest], device="cpu")
@@ -386,17 +464,23 @@ def test_the_size_a_saved_model_declares_is_the_size_it_loads_with(tiny_bert_dir
     for label, folder in folders.items():
         loaded = embedding_dimension(SentenceTransformer(str(folder), device="cpu"))
         assert declared_dimension(str(folder)) == loaded, label
-    assert {declared_dimension(str(folders["two pooling modes"])), declared_dimension(str(folders["dense and normalize"]))} == {64, 16}
+    assert {
+        declared_dimension(str(folders["two pooling modes"])),
+        declared_dimension(str(folders["dense and normalize"])),
+    } == {64, 16}
     assert declared_dimension("sentence-transformers/all-MiniLM-L6-v2") is None, "a Hub id: checked once loaded"
 
 
-def test_an_unreadable_data_file_is_one_line_before_anything_loads(tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch):
+def test_an_unreadable_data_file_is_one_line_before_anything_loads(
+    tiny_bert_dir, pairs_file, tmp_path, capsys, monkeypatch
+):
     """Mode 000; where the tests run as root (which reads it anyway), ``open`` in st_ext.cli.data is made
     to fail as it would for another user."""
     from st_ext.cli import data, job
 
     pairs_file.chmod(0o000)
     if os.geteuid() == 0:
+
         def refused(path, *args, **kwargs):
             raise PermissionError(13, "Permission denied", str(path))
 
@@ -441,10 +525,17 @@ def test_library_errors_name_python_arguments_not_flags():
             continue
         tree = ast.parse(source.read_text())
         for node in ast.walk(tree):
-            is_warning = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("warn", "warning")
+            is_warning = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "warn",
+                "warning",
+            )
             if isinstance(node, ast.Raise) or is_warning:
                 for part in ast.walk(node):
-                    if isinstance(part, ast.Constant) and isinstance(part.value, str) and re.search(r"(?<![\w-])--[a-z]", part.value):
+                    if (
+                        isinstance(part, ast.Constant)
+                        and isinstance(part.value, str)
+                        and re.search(r"(?<![\w-])--[a-z]", part.value)
+                    ):
                         flagged.append(f"{source.relative_to(package)}:{part.lineno}: {part.value}")
     assert flagged == []
 
@@ -475,19 +566,30 @@ def test_the_uncached_reference_is_the_trained_loss_without_caching(model, guide
             continue
         kwargs = {"mini_batch_size": 2, **({"guide": guide} if spec.guided else {})}
         dims = [32, 16]
-        trained = build_loss(name, model, **kwargs, **({"matryoshka_dims": dims} if name.startswith(MATRYOSHKA_PREFIX) else {}))
+        trained = build_loss(
+            name, model, **kwargs, **({"matryoshka_dims": dims} if name.startswith(MATRYOSHKA_PREFIX) else {})
+        )
         reference = build_reference_loss(name, trained, model, dims)
         expected = [class_name.removeprefix("Cached") for class_name in chain(trained)]
         if name == "matryoshka_xbm_cached_mnrl":
             # The registry has no Matryoshka over an uncached queue; the queue holds no graph.
             expected.remove("CrossBatchMemoryLoss")
         assert chain(reference) == expected, name
-        assert not loss_spec(uncached_counterpart(name)).cached and loss_spec(uncached_counterpart(name)).guided == spec.guided
+        assert (
+            not loss_spec(uncached_counterpart(name)).cached
+            and loss_spec(uncached_counterpart(name)).guided == spec.guided
+        )
         if spec.guided:
             inner = reference.loss if name.startswith(MATRYOSHKA_PREFIX) else reference
             assert inner.guide is guide, "the trained loss's guide"
         compared.append(name)
-    assert {"matryoshka_cached_gist", "cached_gist", "cached_mnrl", "matryoshka_cached_mnsrl", "xbm_cached_mnrl"} <= set(compared)
+    assert {
+        "matryoshka_cached_gist",
+        "cached_gist",
+        "cached_mnrl",
+        "matryoshka_cached_mnsrl",
+        "xbm_cached_mnrl",
+    } <= set(compared)
 
 
 #: How far the reference may be below the trained figure where caching cannot help (same batch, same
@@ -496,8 +598,13 @@ def test_the_uncached_reference_is_the_trained_loss_without_caching(model, guide
 LIKE_FOR_LIKE_MARGIN = 0.02
 
 
-@pytest.mark.parametrize("loss, reference_loss", [("matryoshka_cached_mnrl", "matryoshka_mnrl"), ("matryoshka_cached_gist", "matryoshka_gist")])
-def test_where_caching_cannot_help_the_plot_compares_equal_figures(tiny_bert6_dir, pairs_file, tmp_path, monkeypatch, loss, reference_loss):
+@pytest.mark.parametrize(
+    "loss, reference_loss",
+    [("matryoshka_cached_mnrl", "matryoshka_mnrl"), ("matryoshka_cached_gist", "matryoshka_gist")],
+)
+def test_where_caching_cannot_help_the_plot_compares_equal_figures(
+    tiny_bert6_dir, pairs_file, tmp_path, monkeypatch, loss, reference_loss
+):
     """One mini-batch holds the whole batch, so the cached loss does what the uncached one does: the
     reference is not below the trained figure (neither counts the optimizer's first-step state, which on
     this model and these short texts outweighs the activations), and the plot says what it counts and

@@ -19,7 +19,11 @@ from st_ext.cli import EXIT_BAD_INPUT, main
 @pytest.fixture
 def triplets_file(tmp_path):
     rows = [
-        {"q": f"{s} {i}", "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}", "neg": f"{SENTENCES[(i + 5) % len(SENTENCES)]} x{i}"}
+        {
+            "q": f"{s} {i}",
+            "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}",
+            "neg": f"{SENTENCES[(i + 5) % len(SENTENCES)]} x{i}",
+        }
         for i, s in enumerate(SENTENCES * 3)
     ]
     path = tmp_path / "triplets.jsonl"
@@ -29,9 +33,27 @@ def triplets_file(tmp_path):
 
 def run_args(model_dir, data, output_dir, *extra):
     return [
-        "train", "--model", str(model_dir), "--data", str(data), "--anchor-column", "q", "--positive-column", "pos",
-        "--max-steps", "2", "--batch-size", "4", "--mini-batch-size", "2", "--matryoshka-dims", "32", "16",
-        "--output-dir", str(output_dir), *extra,
+        "train",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--anchor-column",
+        "q",
+        "--positive-column",
+        "pos",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--mini-batch-size",
+        "2",
+        "--matryoshka-dims",
+        "32",
+        "16",
+        "--output-dir",
+        str(output_dir),
+        *extra,
     ]
 
 
@@ -50,7 +72,16 @@ def test_trainer_arguments_come_from_flags_and_the_config_file(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("warmup_ratio: 0.25\nsave_steps: '3'\nreport_to: [none]\nepochs: 2\nloss: cached_mnrl\n")
     _, settings, trainer = parse_train_args(
-        ["--config", str(config), "--gradient-accumulation-steps", "2", "--lr-scheduler-type", "constant", "--batch-size", "16"]
+        [
+            "--config",
+            str(config),
+            "--gradient-accumulation-steps",
+            "2",
+            "--lr-scheduler-type",
+            "constant",
+            "--batch-size",
+            "16",
+        ]
     )
     assert settings.loss == "cached_mnrl"
     assert trainer["warmup_ratio"] == 0.25 and trainer["save_steps"] == 3 and trainer["report_to"] == ["none"]
@@ -64,7 +95,9 @@ def test_an_alias_and_its_full_name_in_one_file_are_refused(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("batch_size: 8\nper_device_train_batch_size: 16\n")
     assert main(["train", "--config", str(config)]) == EXIT_BAD_INPUT
-    assert "config: batch_size and per_device_train_batch_size are the same setting; keep one." in capsys.readouterr().err
+    assert (
+        "config: batch_size and per_device_train_batch_size are the same setting; keep one." in capsys.readouterr().err
+    )
 
 
 def test_trainer_arguments_reach_the_trainer(tiny_bert_dir, triplets_file, tmp_path, monkeypatch):
@@ -74,12 +107,18 @@ def test_trainer_arguments_reach_the_trainer(tiny_bert_dir, triplets_file, tmp_p
     original = trainer_module.SentenceTransformerTrainer.train
 
     def spy(self, *args, **kwargs):
-        seen.update(accumulation=self.args.gradient_accumulation_steps, warmup=self.args.warmup_steps, max_grad=self.args.max_grad_norm)
+        seen.update(
+            accumulation=self.args.gradient_accumulation_steps,
+            warmup=self.args.warmup_steps,
+            max_grad=self.args.max_grad_norm,
+        )
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module.SentenceTransformerTrainer, "train", spy)
     extra = ["--gradient-accumulation-steps", "2", "--warmup-steps", "1", "--max-grad-norm", "0.5"]
-    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", *extra, "--loss", "matryoshka_cached_mnrl")) == 0
+    assert (
+        main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", *extra, "--loss", "matryoshka_cached_mnrl")) == 0
+    )
     assert seen == {"accumulation": 2, "warmup": 1, "max_grad": 0.5}
 
 
@@ -89,7 +128,10 @@ def test_bf16_trains_on_the_cpu_when_there_is_no_gpu(tiny_bert_dir, triplets_fil
     # transformers 4.x exports bf16 to later Accelerators through ACCELERATE_MIXED_PRECISION; monkeypatch
     # restores the environment after the test, so later tests in this process do not train under bf16.
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
-    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--bf16", "--loss", "matryoshka_cached_mnrl")) == 0
+    assert (
+        main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--bf16", "--loss", "matryoshka_cached_mnrl"))
+        == 0
+    )
     assert metrics_of(tmp_path / "run")["settings"]["trainer"]["bf16"] is True
 
 
@@ -102,7 +144,11 @@ def test_a_trainer_argument_conflict_is_one_line(tiny_bert_dir, triplets_file, t
 
 
 def every_file(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
+    return {
+        str(path.relative_to(folder)): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in folder.rglob("*")
+        if path.is_file()
+    }
 
 
 def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, triplets_file, tmp_path, capsys):
@@ -112,7 +158,9 @@ def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, tri
     checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
     assert checkpoints == ["checkpoint-1", "checkpoint-2"]
     assert metrics_of(output)["time"]["steps"] == 2
-    assert "Writing model shards" not in capsys.readouterr().err, "transformers' bar at each checkpoint, unless --verbose"
+    assert "Writing model shards" not in capsys.readouterr().err, (
+        "transformers' bar at each checkpoint, unless --verbose"
+    )
 
     resumed = run_args(tiny_bert_dir, triplets_file, output, *saving, "--resume-from-checkpoint", "last")
     resumed[resumed.index("--max-steps") + 1] = "3"
@@ -158,7 +206,13 @@ def test_resuming_a_finished_run_publishes_nothing(tiny_bert_dir, triplets_file,
     ],
 )
 def test_resuming_without_a_checkpoint_is_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys, resume, message):
-    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--resume-from-checkpoint", resume.replace("__TMP__", str(tmp_path)))
+    args = run_args(
+        tiny_bert_dir,
+        triplets_file,
+        tmp_path / "run",
+        "--resume-from-checkpoint",
+        resume.replace("__TMP__", str(tmp_path)),
+    )
     assert main(args) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
     assert err.startswith("st-ext train: error: ") and message in err and "\n" not in err
@@ -166,7 +220,9 @@ def test_resuming_without_a_checkpoint_is_one_line(tiny_bert_dir, triplets_file,
 
 @pytest.mark.parametrize("loss", ["matryoshka_cached_gist", "triplet"])
 def test_hard_negatives_are_trained_on(tiny_bert_dir, triplets_file, tmp_path, capsys, loss):
-    args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--negative-columns", "neg", "--loss", loss, "--verbose")
+    args = run_args(
+        tiny_bert_dir, triplets_file, tmp_path / "run", "--negative-columns", "neg", "--loss", loss, "--verbose"
+    )
     if loss == "triplet":
         args = without(args, "--mini-batch-size")  # a non-cached loss takes none
     assert main(args) == 0
@@ -189,7 +245,14 @@ def test_an_eval_file_holds_the_evaluation_pairs(tiny_bert_dir, triplets_file, t
     assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--eval-data", str(held_out))) == 0
     data = metrics_of(tmp_path / "run")["data"]
     assert data["eval_pairs"] == 12 and data["train_rows"] == 3 * 8  # every row of --data trains
-    assert main(run_args(tiny_bert_dir, triplets_file, tmp_path / "run", "--eval-data", str(held_out), "--eval-fraction", "0.3")) == EXIT_BAD_INPUT
+    assert (
+        main(
+            run_args(
+                tiny_bert_dir, triplets_file, tmp_path / "run", "--eval-data", str(held_out), "--eval-fraction", "0.3"
+            )
+        )
+        == EXIT_BAD_INPUT
+    )
     assert "eval_fraction: --eval-data holds the evaluation pairs" in capsys.readouterr().err
 
 
@@ -245,7 +308,9 @@ def test_the_reference_peak_grows_with_the_batch_and_changes_nothing(tiny_bert_d
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert memory_losses(trained)["loss"].memory is queue, "the trained loss's queue"
     plain = build_loss("mnrl", model)
-    assert measure_reference_peak("mnrl", plain, model, features(rows[:4]), None, [32], "cpu") is None, "nothing to compare"
+    assert measure_reference_peak("mnrl", plain, model, features(rows[:4]), None, [32], "cpu") is None, (
+        "nothing to compare"
+    )
 
 
 @pytest.fixture
@@ -260,11 +325,21 @@ def offline_hub(monkeypatch):
 @pytest.mark.parametrize(
     "flag, name, message",
     [
-        ("--model", "st-ext-tests/no-such-model", "model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local Hugging Face cache (HF_HUB_OFFLINE is set)"),
-        ("--data", "st-ext-tests/no-such-dataset", "data: 'st-ext-tests/no-such-dataset' is not a local file and cannot be loaded from the Hub"),
+        (
+            "--model",
+            "st-ext-tests/no-such-model",
+            "model: 'st-ext-tests/no-such-model' is not a local directory and is not in the local Hugging Face cache (HF_HUB_OFFLINE is set)",
+        ),
+        (
+            "--data",
+            "st-ext-tests/no-such-dataset",
+            "data: 'st-ext-tests/no-such-dataset' is not a local file and cannot be loaded from the Hub",
+        ),
     ],
 )
-def test_hub_names_offline_are_one_line(tiny_bert_dir, triplets_file, tmp_path, capsys, offline_hub, flag, name, message):
+def test_hub_names_offline_are_one_line(
+    tiny_bert_dir, triplets_file, tmp_path, capsys, offline_hub, flag, name, message
+):
     args = run_args(tiny_bert_dir, triplets_file, tmp_path / "run")
     args[args.index(flag) + 1] = name
     assert main(args) == EXIT_BAD_INPUT
@@ -288,7 +363,9 @@ def test_an_unreachable_hub_is_one_line_at_once(tiny_bert_dir, triplets_file, tm
 def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tmp_path):
     script = Path(sys.executable).with_name("st-ext")
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, st_ext.cli.main; print('torch' in sys.modules)"], capture_output=True, text=True
+        [sys.executable, "-c", "import sys, st_ext.cli.main; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
     )
     assert probe.stdout.strip() == "False", "st-ext --help must not wait for torch"
     top = subprocess.run([str(script), "--help"], capture_output=True, text=True)
@@ -296,7 +373,9 @@ def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tm
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     failed = subprocess.run(
         [str(script), "train", "--model", "st-ext-tests/no-such-model", "--output-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert failed.returncode == EXIT_BAD_INPUT
     assert failed.stderr.strip().splitlines() == [
@@ -304,7 +383,9 @@ def test_the_console_script_answers_help_without_torch_and_errors_in_one_line(tm
         "Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory."
     ]
     # An abbreviated flag is refused (not taken for --anchor-column), in one line without the usage block.
-    abbreviated = subprocess.run([str(script), "train", "--anchor_colum", "q"], capture_output=True, text=True, env=env)
+    abbreviated = subprocess.run(
+        [str(script), "train", "--anchor_colum", "q"], capture_output=True, text=True, env=env
+    )
     assert abbreviated.returncode == EXIT_BAD_INPUT and "usage:" not in abbreviated.stdout + abbreviated.stderr
     assert abbreviated.stderr.splitlines() == [
         "st-ext train: error: unrecognized arguments: --anchor_colum q (`st-ext train --help` lists every setting)"
@@ -317,10 +398,15 @@ def test_an_auto_budget_bounds_every_measured_training_step(tiny_bert_dir, tmp_p
     that probes included), not one mini-batch's forward and backward."""
     import csv
 
-    rows = [{"q": f"{s} {i} " * 3, "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"} for i, s in enumerate(SENTENCES * 8)]
+    rows = [
+        {"q": f"{s} {i} " * 3, "pos": f"{SENTENCES[(i + 3) % len(SENTENCES)]} {i}"}
+        for i, s in enumerate(SENTENCES * 8)
+    ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    args = run_args(tiny_bert_dir, data, tmp_path / "run", "--memory-budget-mb", str(budget_mb), "--loss", "matryoshka_cached_mnrl")
+    args = run_args(
+        tiny_bert_dir, data, tmp_path / "run", "--memory-budget-mb", str(budget_mb), "--loss", "matryoshka_cached_mnrl"
+    )
     args[args.index("--batch-size") + 1] = "32"
     args[args.index("--max-steps") + 1] = "3"
     args[args.index("--mini-batch-size") + 1] = "auto"

@@ -38,9 +38,13 @@ BATCH = 6
 RANKING = [
     pytest.param(lambda model: upstream.MultipleNegativesRankingLoss(model), True, id="mnrl"),
     pytest.param(
-        lambda model: upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=BATCH), True, id="cached-dropout"
+        lambda model: upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=BATCH),
+        True,
+        id="cached-dropout",
     ),
-    pytest.param(lambda model: upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), False, id="cached-3"),
+    pytest.param(
+        lambda model: upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), False, id="cached-3"
+    ),
 ]
 COLUMNS = [pytest.param(2, id="pairs"), pytest.param(3, id="hard-negative")]
 
@@ -69,7 +73,9 @@ class ExplicitRankingReference(torch.nn.Module):
         documents = torch.cat(embeddings[1:])
         scores = cos_sim(embeddings[0], torch.cat([documents, self.queue.detach()])) * self.scale
         for row, queue_row in self.left_out:
-            scores = scores.index_put((torch.tensor(row), torch.tensor(len(documents) + queue_row)), torch.tensor(-torch.inf))
+            scores = scores.index_put(
+                (torch.tensor(row), torch.tensor(len(documents) + queue_row)), torch.tensor(-torch.inf)
+            )
         return F.cross_entropy(scores, torch.arange(len(scores)))
 
 
@@ -83,7 +89,9 @@ def test_empty_memory_equals_the_wrapped_loss(model, make_loss, train, num_colum
     columns = text_columns(BATCH, num_columns)
     inner = make_loss(model)
     memory = CrossBatchMemoryLoss(model, inner, memory_size=32)
-    assert_same_grads(loss_and_grads(model, memory, columns, train=train), loss_and_grads(model, inner, columns, train=train))
+    assert_same_grads(
+        loss_and_grads(model, memory, columns, train=train), loss_and_grads(model, inner, columns, train=train)
+    )
 
 
 @pytest.mark.parametrize("make_loss, train", RANKING)
@@ -96,7 +104,9 @@ def test_filled_memory_equals_the_loss_over_batch_and_queue(model, make_loss, tr
     assert len(queue) == 2 * BATCH * (num_columns - 1)
     columns = text_columns(BATCH, num_columns, seed=3)
     reference = ExplicitRankingReference(model, queue)
-    assert_same_grads(loss_and_grads(model, loss, columns, train=train), loss_and_grads(model, reference, columns, train=train))
+    assert_same_grads(
+        loss_and_grads(model, loss, columns, train=train), loss_and_grads(model, reference, columns, train=train)
+    )
 
 
 def test_queued_copy_of_an_anchors_own_positive_is_masked(model):
@@ -276,7 +286,9 @@ def test_resuming_without_the_queue_is_an_error_unless_asked_for(tiny_bert_dir, 
     trainer.train()
     (tmp_path / "checkpoint-1" / MEMORY_FILENAME).unlink()
     resumed, _ = memory_trainer(tiny_bert_dir, tmp_path / "again")
-    with pytest.raises(MissingMemoryError, match=r"checkpoint-1/cross_batch_memory.pt does not exist.*resume_empty_memory=True"):
+    with pytest.raises(
+        MissingMemoryError, match=r"checkpoint-1/cross_batch_memory.pt does not exist.*resume_empty_memory=True"
+    ):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
     model = sentence_transformer_from(tiny_bert_dir)
@@ -295,7 +307,10 @@ def test_the_callback_saves_the_queue_with_an_upstream_trainer(tiny_bert_dir, tm
 
     trainer, loss = memory_trainer(tiny_bert_dir, tmp_path, max_steps=1)
     upstream_trainer = sentence_transformers.SentenceTransformerTrainer(
-        model=trainer.model, args=trainer.args, train_dataset=triplet_dataset(), loss=loss,
+        model=trainer.model,
+        args=trainer.args,
+        train_dataset=triplet_dataset(),
+        loss=loss,
         callbacks=[CrossBatchMemoryCallback(loss)],
     )
     upstream_trainer.train()
@@ -430,7 +445,11 @@ def test_missing_labels_for_a_triplet_loss_are_explained(model):
     [
         (lambda m: upstream.CosineSimilarityLoss(m), TypeError, "cannot wrap CosineSimilarityLoss"),
         (lambda m: upstream.MultipleNegativesSymmetricRankingLoss(m), TypeError, "Symmetric variants"),
-        (lambda m: upstream.MultipleNegativesRankingLoss(sentence_transformer_from_same(m)), ValueError, "another model"),
+        (
+            lambda m: upstream.MultipleNegativesRankingLoss(sentence_transformer_from_same(m)),
+            ValueError,
+            "another model",
+        ),
     ],
 )
 def test_unsupported_losses_are_explained(model, make_loss, error, message):

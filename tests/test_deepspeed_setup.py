@@ -87,7 +87,9 @@ def test_upstream_cached_loss_is_refused_naming_st_exts(model, tmp_path):
 
 
 @pytest.mark.parametrize("stage, overlap_comm", [(2, False), (3, False), (1, True)])
-def test_deepspeed_before_0_17_refuses_stages_that_reduce_from_hooks(stage, overlap_comm, model, tmp_path, monkeypatch):
+def test_deepspeed_before_0_17_refuses_stages_that_reduce_from_hooks(
+    stage, overlap_comm, model, tmp_path, monkeypatch
+):
     monkeypatch.setattr(deepspeed_setup, "deepspeed_version", lambda: Version("0.16.9"))
     config = zero_config(stage, overlap_comm=overlap_comm, **({GATHER_ON_SAVE: True} if stage == 3 else {}))
     with pytest.raises(ValueError, match=r"need deepspeed>=0\.17\.0 \(installed: 0\.16\.9\).*ZeRO stage 1 without"):

@@ -82,7 +82,10 @@ def torchrun(*worker_args: str, log: Path, environment: dict[str, str] | None = 
     ]  # fmt: skip
     with log.open("w") as output:
         process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env={**worker_environment(), **(environment or {})},
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**worker_environment(), **(environment or {})},
             start_new_session=True,
         )
         try:
@@ -397,7 +400,9 @@ def test_trainer_runs_under_torchrun_with_checkpointing(trainer, trainer_reports
     assert reports[0]["digest"] == reports[1]["digest"], "the replicas' weights differ after training"
 
 
-def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_training, single_process_training, model_dirs):
+def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(
+    deepspeed_training, single_process_training, model_dirs
+):
     """The unchanged script with the Trainer's ``deepspeed`` argument trains the cached Matryoshka loss
     with gradient checkpointing at each ZeRO stage; plain sentence-transformers loads what it saved, and
     the weights equal one process's training (see ``run_deepspeed_training`` for why one process's)."""
@@ -412,7 +417,9 @@ def test_trainer_trains_under_deepspeed_and_saves_a_plain_model(deepspeed_traini
         assert run["report"]["checkpointing"] is True
 
     saved, expected, initial = (
-        weights(out / f"zero{stage}" / "final"), weights(single_process_training), weights(model_dirs["model"])
+        weights(out / f"zero{stage}" / "final"),
+        weights(single_process_training),
+        weights(model_dirs["model"]),
     )
     assert_close_tensors(saved, expected, f"ZeRO-{stage} trained weights")
     assert not all(torch.equal(saved[name], initial[name]) for name in initial), "training changed nothing"

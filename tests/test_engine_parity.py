@@ -45,9 +45,9 @@ except ImportError:
 #: the replay changes that came with it (frozen final mini-batch, the torch < 2.4 refusal, float64 kept).
 UPSTREAM_HOLDS_DDP_SYNC = hasattr(upstream_engine, "_ddp_replay_context")
 #: Upstream's cached losses take a token budget (PR #3862, 5.7).
-UPSTREAM_HAS_TOKEN_BUDGET = "mini_batch_num_tokens" in inspect.signature(
-    st_losses().CachedMultipleNegativesRankingLoss.__init__
-).parameters
+UPSTREAM_HAS_TOKEN_BUDGET = (
+    "mini_batch_num_tokens" in inspect.signature(st_losses().CachedMultipleNegativesRankingLoss.__init__).parameters
+)
 
 
 def upstream_rand_context() -> type:

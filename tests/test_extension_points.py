@@ -31,7 +31,13 @@ BATCH = 4
 MINI_BATCH = 2
 #: ``embed_minibatch``'s parameters on every supported release (4.1.0 … 6.2.0).
 EMBED_MINIBATCH_PARAMETERS = [
-    "self", "sentence_feature", "begin", "end", "with_grad", "copy_random_state", "random_state"
+    "self",
+    "sentence_feature",
+    "begin",
+    "end",
+    "with_grad",
+    "copy_random_state",
+    "random_state",
 ]
 
 
@@ -175,7 +181,11 @@ def test_an_override_on_st_exts_own_gist_is_refused(model, guide):
 @pytest.mark.parametrize("inner_from", ["st_ext", "upstream"])
 def test_an_override_under_matryoshka_is_honoured(model, inner_from):
     """A wrapper that runs the engine itself hands an overriding loss to upstream's wrapper, which calls it."""
-    base = losses.CachedMultipleNegativesRankingLoss if inner_from == "st_ext" else upstream.CachedMultipleNegativesRankingLoss
+    base = (
+        losses.CachedMultipleNegativesRankingLoss
+        if inner_from == "st_ext"
+        else upstream.CachedMultipleNegativesRankingLoss
+    )
     ours_class, theirs_class = doubling_subclass(base), doubling_subclass(upstream.CachedMultipleNegativesRankingLoss)
     dims = [32]
     ours = quietly(lambda: losses.MatryoshkaLoss(model, build(ours_class, model), dims))

@@ -159,7 +159,9 @@ def rows_of(layout: Layout, seed: int, count: int = 6) -> list[Row]:
             images = tuple((1, rng.choice([2, 4]), rng.choice([2, 4])) for _ in range(rng.choice([0, 1, 1, 2, 3])))
         elif layout.media == "grid_without_counts":
             images = ((1, rng.choice([2, 4]), 2),)
-        videos = tuple((2, 2, rng.choice([2, 4])) for _ in range(rng.choice([0, 1]))) if layout.media == "video" else ()
+        videos = (
+            tuple((2, 2, rng.choice([2, 4])) for _ in range(rng.choice([0, 1]))) if layout.media == "video" else ()
+        )
         rows.append(Row(tag, rng.randint(2, 8), images, videos))
     if layout.media in ("per_image", "sample_first") and not any(row.images for row in rows):
         rows[0] = Row(0, rows[0].length, ((1, 2, 2),))
@@ -203,7 +205,9 @@ def test_every_row_range_is_the_rows_rebuilt(layout, seed):
         assert_same_features(slice_rows(features, begin, end, cut), expected, f"rows {begin}:{end}")
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.padding != "left"], ids=lambda layout: layout.name)
+@pytest.mark.parametrize(
+    "layout", [layout for layout in LAYOUTS if layout.padding != "left"], ids=lambda layout: layout.name
+)
 def test_picked_rows_in_any_order_are_the_rows_rebuilt(layout):
     """The auto mode's probe embeds the longest rows, in any order: each picked row keeps its own pixels."""
     rows = rows_of(layout, seed=7)
@@ -229,7 +233,9 @@ def test_merged_passes_hold_every_segments_rows():
             assert_same_features(minibatch_features(features, plan, minibatch), build(layout, rows), layout.name)
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout.media not in ("none", "per_row")], ids=lambda layout: layout.name)
+@pytest.mark.parametrize(
+    "layout", [layout for layout in LAYOUTS if layout.media not in ("none", "per_row")], ids=lambda layout: layout.name
+)
 def test_columns_cut_per_image_are_embedded_apart(layout):
     """How a model batches images across columns is its own: such columns never share a pass."""
     features = [build(layout, rows_of(layout, seed)) for seed in (1, 2)]
@@ -341,7 +347,8 @@ def test_slicing_reads_each_column_from_the_device_once():
     layout = LAYOUTS[7]
     features = build(layout, rows_of(layout, 0))
     cut = layout_of(features)
-    guarded = {key: value.as_subclass(NoDeviceReads) if torch.is_tensor(value) else value for key, value in features.items()}
+    guarded = {
+        key: value.as_subclass(NoDeviceReads) if torch.is_tensor(value) else value for key, value in features.items()
+    }
     for begin, end in [(0, 2), (2, 6), (1, 5)]:
         slice_rows(guarded, begin, end, cut)
-

@@ -91,6 +91,7 @@ def test_offload_flag_moves_the_encoder_off_the_device(model, guide, monkeypatch
     """A guide or teacher loaded on the accelerator goes to the CPU when the loss is told to offload it."""
     moved = []
     real_offload = st_ext.offload.offload
+
     def recording_offload(module, *args, **kwargs):
         moved.append(module)
         return real_offload(module, *args, **kwargs)
@@ -145,11 +146,17 @@ DISTILLATION_CASES = [
     pytest.param("MSELoss", "embeddings", 2, id="mse"),
     pytest.param("MarginMSELoss", "margins", 3, id="margin-mse"),
     pytest.param(
-        "MarginMSELoss", "margins", 4, id="margin-mse-2-negatives",
+        "MarginMSELoss",
+        "margins",
+        4,
+        id="margin-mse-2-negatives",
         marks=pytest.mark.skipif(not MARGIN_MSE_TAKES_MANY_NEGATIVES, reason="4.x's MarginMSELoss takes one negative"),
     ),
     pytest.param(
-        "DistillKLDivLoss", "scores", 3, id="kl-div",
+        "DistillKLDivLoss",
+        "scores",
+        3,
+        id="kl-div",
         marks=pytest.mark.skipif(not HAS_KL, reason="no DistillKLDivLoss in this sentence-transformers"),
     ),
 ]
@@ -414,7 +421,9 @@ def test_offloaded_guide_and_teacher_stay_on_cpu_and_train_as_resident(tiny_bert
     columns = text_columns(BATCH, 3)
     for make in (
         lambda frozen, offload: losses.GISTEmbedLoss(model, frozen, offload_guide=offload),
-        lambda frozen, offload: losses.DistillationLoss(upstream.MarginMSELoss(model), frozen, offload_teacher=offload),
+        lambda frozen, offload: losses.DistillationLoss(
+            upstream.MarginMSELoss(model), frozen, offload_teacher=offload
+        ),
     ):
         resident = step(make(guide_from(guide_dir).to("cuda"), False), model, columns)
         frozen = guide_from(guide_dir).to("cuda")  # loaded on the accelerator, as SentenceTransformer does by default

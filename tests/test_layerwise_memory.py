@@ -27,7 +27,9 @@ def memory_over_cached(model, mini_batch_size, **kwargs):
 
 WRAPPERS = {
     "adaptive": lambda model, inner: losses.AdaptiveLayerLoss(model, inner, n_layers_per_step=-1),
-    "matryoshka-2d": lambda model, inner: losses.Matryoshka2dLoss(model, inner, DIMS, n_layers_per_step=-1, n_dims_per_step=-1),
+    "matryoshka-2d": lambda model, inner: losses.Matryoshka2dLoss(
+        model, inner, DIMS, n_layers_per_step=-1, n_dims_per_step=-1
+    ),
     "matryoshka": lambda model, inner: losses.MatryoshkaLoss(model, inner, DIMS),
 }
 

@@ -85,7 +85,8 @@ def test_the_cpu_meter_prints_nothing_of_its_own(capfd):
 
 
 @pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
 )
 def test_nested_measurements_each_read_their_own_window_and_the_outer_sees_the_inner(device):
     """A step measured around an auto mini-batch probe: the probe's peak counts toward the step's."""

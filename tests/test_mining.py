@@ -260,9 +260,7 @@ def assert_same_mined_set(distance_name, margin, embeddings, ref_emb, expected, 
     legitimately decide either way; those may appear in one result only."""
     assert len(as_set(actual)) == len(actual[0]), "duplicate triplets"
     boundaries = (margin, 0.0)
-    expected_set = without_ties(
-        expected, margin_terms(distance_name, embeddings, ref_emb, expected), boundaries
-    )
+    expected_set = without_ties(expected, margin_terms(distance_name, embeddings, ref_emb, expected), boundaries)
     actual_set = without_ties(actual, margin_terms(distance_name, embeddings, ref_emb, actual), boundaries)
     assert expected_set == actual_set
 
@@ -309,12 +307,8 @@ def test_miner_exact_on_the_margin(miner_path, type_of_triplets, make_distance, 
     embeddings = torch.randint(-2, 3, (40, 3)).float()
     labels = torch.randint(0, 4, (40,))
     ref_emb, ref_labels = torch.randint(-2, 3, (55, 3)).float(), torch.randint(0, 4, (55,))
-    pml_miner = PMLTripletMarginMiner(
-        margin=margin, type_of_triplets=type_of_triplets, distance=make_distance()
-    )
-    ours = mining.TripletMarginMiner(
-        margin=margin, type_of_triplets=type_of_triplets, distance=make_distance()
-    )
+    pml_miner = PMLTripletMarginMiner(margin=margin, type_of_triplets=type_of_triplets, distance=make_distance())
+    ours = mining.TripletMarginMiner(margin=margin, type_of_triplets=type_of_triplets, distance=make_distance())
     for args in [(embeddings, labels), (embeddings, labels, ref_emb, ref_labels)]:
         expected, actual = pml_miner(*args), ours(*args)
         every_triplet = lmu.get_all_triplets_indices(args[1], args[3] if len(args) == 4 else None)
@@ -363,9 +357,7 @@ def test_miner_past_int_max_matches_brute_force_subsample():
     ref_labels = torch.arange(100, 100 + memory)
     ref_labels[torch.randperm(memory)[:12]] = torch.randint(0, 3, (12,))
     embeddings, ref_emb = torch.randn(batch, 8), torch.randn(memory, 8)
-    anchors, positives, negatives = mining.TripletMarginMiner(0.1, "semihard")(
-        embeddings, labels, ref_emb, ref_labels
-    )
+    anchors, positives, negatives = mining.TripletMarginMiner(0.1, "semihard")(embeddings, labels, ref_emb, ref_labels)
 
     matrix = LpDistance()(embeddings, ref_emb)
     for anchor in [0, batch // 2, batch - 1]:
@@ -373,9 +365,7 @@ def test_miner_past_int_max_matches_brute_force_subsample():
         negative_idx = torch.nonzero(ref_labels != labels[anchor]).squeeze(1)
         terms = matrix[anchor, negative_idx].unsqueeze(0) - matrix[anchor, positive_idx].unsqueeze(1)
         keep = (terms > 0) & (terms <= 0.1)
-        expected = {
-            (anchor, int(positive_idx[p]), int(negative_idx[n])) for p, n in torch.nonzero(keep).tolist()
-        }
+        expected = {(anchor, int(positive_idx[p]), int(negative_idx[n])) for p, n in torch.nonzero(keep).tolist()}
         mine = anchors == anchor
         assert as_set((anchors[mine], positives[mine], negatives[mine])) == expected
 

@@ -99,7 +99,7 @@ def expected_attribute(st_ext_module_name: str, upstream_module: ModuleType, nam
     """What ``getattr(st_ext_module, name)`` should be: st_ext's module of the same path for a submodule,
     st_ext's object for one it replaces, upstream's otherwise."""
     value = getattr(upstream_module, name)
-    upstream_name = f"{UPSTREAM}{st_ext_module_name[len('st_ext'):]}.{name}"
+    upstream_name = f"{UPSTREAM}{st_ext_module_name[len('st_ext') :]}.{name}"
     if isinstance(value, ModuleType) and sys.modules.get(upstream_name) is value:
         return importlib.import_module(f"{st_ext_module_name}.{name}")
     return replacement(value)
@@ -109,7 +109,9 @@ def expected_attribute(st_ext_module_name: str, upstream_module: ModuleType, nam
 
 
 def upstream_top_level_names() -> list[str]:
-    return sorted(set(sentence_transformers.__all__) | {n for n in dir(sentence_transformers) if not n.startswith("_")})
+    return sorted(
+        set(sentence_transformers.__all__) | {n for n in dir(sentence_transformers) if not n.startswith("_")}
+    )
 
 
 def test_the_declared_replacements_are_st_ext_objects():

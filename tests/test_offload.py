@@ -287,7 +287,9 @@ def test_check_finds_parameters_held_by_a_cached_output_with_a_graph(minilm_path
 
     fresh = load_minilm(minilm_path)
     names = [name for name, _ in [*fresh.named_parameters(), *fresh.named_buffers()]]
-    in_graph = [name for name in names if name.endswith(("word_embeddings.weight", "layer.0.attention.self.query.weight"))]
+    in_graph = [
+        name for name in names if name.endswith(("word_embeddings.weight", "layer.0.attention.self.query.weight"))
+    ]
     assert len(in_graph) == 2 and set(in_graph) <= set(report.check.leftover_names), str(report)
     assert set(report.check.leftover_names) <= set(names)
     traced = [leftover for leftover in report.check.leftovers if "not traced" not in leftover.held_by[0]]
@@ -459,7 +461,9 @@ def test_precompute_embeddings_adds_float32_columns_equal_to_encode_then_release
     anchors = ["a cat", "the dog sits on the mat by the door", "rivers", "search", "a long sentence " * 5]
     positives = ["a kitten", "a puppy", "a stream", "find", "short"]
     dataset = Dataset.from_dict({"anchor": anchors, "positive": positives, "label": [1, 0, 1, 0, 1]})
-    expected = {column: model.encode(texts, batch_size=2) for column, texts in (("anchor", anchors), ("positive", positives))}
+    expected = {
+        column: model.encode(texts, batch_size=2) for column, texts in (("anchor", anchors), ("positive", positives))
+    }
     refs = weak_references(model)
 
     result = precompute_embeddings(model, dataset, ["anchor", "positive"], batch_size=2, release_encoder=True)

@@ -39,6 +39,8 @@ def test_the_cli_extra_is_what_the_cli_imports():
     """pyproject's ``cli`` extra and the modules the check looks for name the same distributions, and the
     library's own dependencies name none of them."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extra = {requirement.split(">")[0].split("=")[0].strip() for requirement in project["optional-dependencies"]["cli"]}
+    extra = {
+        requirement.split(">")[0].split("=")[0].strip() for requirement in project["optional-dependencies"]["cli"]
+    }
     assert extra == set(CLI_EXTRA_MODULES.values())
     assert not extra & {requirement.split(">")[0].split("=")[0].strip() for requirement in project["dependencies"]}

@@ -42,9 +42,7 @@ def released_sdist() -> Path:
         result = subprocess.run(command + ["-d", str(SDIST_CACHE)], capture_output=True, text=True)
         sdist = find_sdist()
         if sdist is None:
-            pytest.skip(
-                f"could not download the {REQUIREMENT} sdist (is PyPI reachable?): {result.stderr[-500:]}"
-            )
+            pytest.skip(f"could not download the {REQUIREMENT} sdist (is PyPI reachable?): {result.stderr[-500:]}")
     return sdist
 
 

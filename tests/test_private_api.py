@@ -57,22 +57,48 @@ def private_uses(tree: ast.AST, own: set[str]) -> list[str]:
                     found.append(f"{node.lineno}: super().{node.attr}")
             elif node.attr not in own:
                 found.append(f"{node.lineno}: .{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr"):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+        ):
             name = node.args[1] if len(node.args) > 1 else None
-            if isinstance(name, ast.Constant) and isinstance(name.value, str) and is_private(name.value) and name.value not in own:
+            if (
+                isinstance(name, ast.Constant)
+                and isinstance(name.value, str)
+                and is_private(name.value)
+                and name.value not in own
+            ):
                 found.append(f"{node.lineno}: {node.func.id}(..., {name.value!r})")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and not node.module.startswith("st_ext"):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and not node.module.startswith("st_ext")
+        ):
             private_module = any(is_private(part) for part in node.module.split("."))
-            found += [f"{node.lineno}: from {node.module} import {alias.name}" for alias in node.names if private_module or is_private(alias.name)]
+            found += [
+                f"{node.lineno}: from {node.module} import {alias.name}"
+                for alias in node.names
+                if private_module or is_private(alias.name)
+            ]
         elif isinstance(node, ast.Import):
-            found += [f"{node.lineno}: import {alias.name}" for alias in node.names if any(map(is_private, alias.name.split(".")))]
+            found += [
+                f"{node.lineno}: import {alias.name}"
+                for alias in node.names
+                if any(map(is_private, alias.name.split(".")))
+            ]
     return found
 
 
 OWN = own_names(SOURCES.values())
 
 
-@pytest.mark.parametrize("path", [path for path in SOURCES if path.name != "_compat.py"], ids=lambda path: str(path.relative_to(PACKAGE_DIR)))
+@pytest.mark.parametrize(
+    "path",
+    [path for path in SOURCES if path.name != "_compat.py"],
+    ids=lambda path: str(path.relative_to(PACKAGE_DIR)),
+)
 def test_private_apis_are_used_in_compat_only(path):
     uses = private_uses(SOURCES[path], OWN)
     assert not uses, (
@@ -94,11 +120,13 @@ class Trainer(Base):
         return getattr(model, "_orig_mod", None) or model._parameters or self._mine
 """
     uses = private_uses(ast.parse(source), own_names([ast.parse(source)]))
-    assert sorted(use.split(": ", 1)[1] for use in uses) == sorted([
-        "import torch._dynamo",
-        "from torch.distributed._composable import fully_shard",
-        "from argparse import _StoreAction",
-        "super()._load_rng_state",
-        "getattr(..., '_orig_mod')",
-        "._parameters",
-    ])
+    assert sorted(use.split(": ", 1)[1] for use in uses) == sorted(
+        [
+            "import torch._dynamo",
+            "from torch.distributed._composable import fully_shard",
+            "from argparse import _StoreAction",
+            "super()._load_rng_state",
+            "getattr(..., '_orig_mod')",
+            "._parameters",
+        ]
+    )

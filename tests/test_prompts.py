@@ -140,7 +140,9 @@ def test_prompted_loss_equals_upstream_non_cached(prompt_model, prompt_guide, wr
     ours, reference, num_columns = LOSSES[loss]
     wrap = WRAPPERS[wrapper]
     columns = text_columns(BATCH, num_columns)
-    expected = reference_step(prompt_model, wrap(upstream, prompt_model, reference(prompt_model, prompt_guide)), columns)
+    expected = reference_step(
+        prompt_model, wrap(upstream, prompt_model, reference(prompt_model, prompt_guide)), columns
+    )
     actual = step(prompt_model, wrap(losses, prompt_model, ours(prompt_model, prompt_guide)), columns)
     assert_same_grads(actual, expected)
 

@@ -28,7 +28,11 @@ def write_run(folder, content: str) -> None:
 
 def run_contents(folder) -> set[str]:
     """Which run each result comes from: one element when the results are one run's."""
-    return {(folder / "model" / "weights.bin").read_text(), (folder / "metrics.json").read_text(), (folder / "ndcg_by_dim.png").read_text()}
+    return {
+        (folder / "model" / "weights.bin").read_text(),
+        (folder / "metrics.json").read_text(),
+        (folder / "ndcg_by_dim.png").read_text(),
+    }
 
 
 def visible(folder) -> list[str]:
@@ -110,8 +114,26 @@ def test_a_full_disk_leaves_the_earlier_run_whole(tiny_bert_dir, tmp_path, monke
 
     monkeypatch.setattr(job, "plot_metric_by_dim", disk_full)
     try:
-        code = main(["train", "--model", str(tiny_bert_dir), "--max-steps", "1", "--batch-size", "4", "--mini-batch-size", "2",
-                     "--max-pairs", "40", "--matryoshka-dims", "32", "16", "--output-dir", str(output)])
+        code = main(
+            [
+                "train",
+                "--model",
+                str(tiny_bert_dir),
+                "--max-steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--mini-batch-size",
+                "2",
+                "--max-pairs",
+                "40",
+                "--matryoshka-dims",
+                "32",
+                "16",
+                "--output-dir",
+                str(output),
+            ]
+        )
     finally:
         os.umask(previous)
     assert code == EXIT_BAD_INPUT

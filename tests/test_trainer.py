@@ -134,7 +134,9 @@ def test_loss_by_registered_name(tiny_bert_dir, tmp_path):
     model = sentence_transformer_from(tiny_bert_dir)
     trainer = st_ext.SentenceTransformerTrainer(
         model=model,
-        args=training_args(st_ext.SentenceTransformerTrainingArguments, tmp_path / "out", gradient_checkpointing=False),
+        args=training_args(
+            st_ext.SentenceTransformerTrainingArguments, tmp_path / "out", gradient_checkpointing=False
+        ),
         train_dataset=pair_dataset(),
         loss="cached_mnrl",
     )

@@ -185,7 +185,10 @@ def test_memory_supplies_positives_the_batch_lacks(loss_name):
 def test_batch_all_counts_match_brute_force():
     generator = torch.Generator().manual_seed(2)
     rows, memory = torch.randn(10, 5, generator=generator), torch.randn(30, 5, generator=generator)
-    labels, memory_labels = torch.randint(0, 4, (10,), generator=generator), torch.randint(0, 4, (30,), generator=generator)
+    labels, memory_labels = (
+        torch.randint(0, 4, (10,), generator=generator),
+        torch.randint(0, 4, (30,), generator=generator),
+    )
     ref_labels = torch.cat([labels, memory_labels])
     distances = triplet.triplet_distances(triplet.euclidean_distance, rows, memory)
     same, positive = dense_masks(labels, ref_labels)
@@ -229,7 +232,9 @@ def test_unknown_metric_is_exact_and_warns_with_memory():
     loss = triplet.BatchHardTripletLoss(Rows(), distance_metric=squared_euclidean, margin=1.0)
     with pytest.warns(UserWarning, match="no batch-to-memory form"):
         value = loss.compute_loss_from_embeddings([rows], labels, memory, memory_labels)
-    expected = dense_batch_hard(dense_distances(squared_euclidean, rows, memory), labels, torch.cat([labels, memory_labels]), 1.0)
+    expected = dense_batch_hard(
+        dense_distances(squared_euclidean, rows, memory), labels, torch.cat([labels, memory_labels]), 1.0
+    )
     torch.testing.assert_close(value, expected)
 
 
@@ -268,7 +273,9 @@ def test_prefix_counts_are_exact_on_the_margin(margin):
     threshold = ap + margin
     below = torch.nextafter(threshold, torch.tensor(-1.0))
     above = torch.nextafter(threshold, torch.tensor(2.0))
-    rows = torch.stack([torch.cat([threshold[pair_row == r], below[pair_row == r], above[pair_row == r]]) for r in range(10)])
+    rows = torch.stack(
+        [torch.cat([threshold[pair_row == r], below[pair_row == r], above[pair_row == r]]) for r in range(10)]
+    )
     rows = torch.cat([rows, torch.rand(10, 20, generator=generator) * 2], dim=1).sort(dim=1).values
     row_length = torch.full((40,), rows.shape[1])
     counts = triplet.count_within(rows, pair_row, row_length, ap, margin)

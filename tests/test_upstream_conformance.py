@@ -43,9 +43,7 @@ KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 
 #: Every name st_ext.losses exports that is an upstream loss name but not upstream's object.
 REPLACED = sorted(
-    name
-    for name in losses.__all__
-    if hasattr(upstream, name) and getattr(losses, name) is not getattr(upstream, name)
+    name for name in losses.__all__ if hasattr(upstream, name) and getattr(losses, name) is not getattr(upstream, name)
 )
 EXPECTED_REPLACED = [
     "AdaptiveLayerLoss",
@@ -97,7 +95,9 @@ def test_signature_starts_with_upstreams_positional_parameters(name):
     for our in ours[len(their_positional) :]:
         assert our.kind is KEYWORD_ONLY, f"st_ext's own option {our.name!r} must be keyword-only"
     for their in (p for p in theirs if p.kind is KEYWORD_ONLY):
-        assert same_default(inspect.signature(getattr(losses, name).__init__).parameters[their.name].default, their.default)
+        assert same_default(
+            inspect.signature(getattr(losses, name).__init__).parameters[their.name].default, their.default
+        )
 
 
 @pytest.mark.parametrize("name", ["GISTEmbedLoss", "CachedGISTEmbedLoss"])
@@ -193,7 +193,10 @@ def attributes_holding_arguments(instance: object, arguments: dict[str, object])
             continue
         if isinstance(value, bool) or value is None:
             continue
-        if any(value is argument or (type(value) is type(argument) and value == argument) for argument in arguments.values()):
+        if any(
+            value is argument or (type(value) is type(argument) and value == argument)
+            for argument in arguments.values()
+        ):
             found[attribute] = value
     return found
 
@@ -271,7 +274,9 @@ def outcome(build: Callable[[], object], caplog) -> tuple:
         except Exception as exception:  # noqa: BLE001 - compared with upstream's, whatever it is
             error = (type(exception), str(exception))
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
-    caught = [(w.category, str(w.message)) for w in caught if not issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    caught = [
+        (w.category, str(w.message)) for w in caught if not issubclass(w.category, (DeprecationWarning, FutureWarning))
+    ]
     return error, records, caught
 
 
@@ -298,18 +303,27 @@ def test_matryoshka_checks_and_warnings_are_upstreams(model, caplog, dims, weigh
             return upstream.CachedMultipleNegativesRankingLoss(model)
         return upstream.MultipleNegativesRankingLoss(model)
 
-    theirs = outcome(lambda: upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), dims, weights, n_dims_per_step), caplog)
+    theirs = outcome(
+        lambda: upstream.MatryoshkaLoss(
+            model, upstream.MultipleNegativesRankingLoss(model), dims, weights, n_dims_per_step
+        ),
+        caplog,
+    )
     ours = outcome(lambda: losses.MatryoshkaLoss(model, inner_loss(), dims, weights, n_dims_per_step), caplog)
     assert ours == theirs
 
 
 def test_matryoshka_warning_for_a_missing_full_dimension(model, caplog):
     """Upstream's warning, on the release that gives it, reaches the user through the same logger."""
-    theirs = outcome(lambda: upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), [16, 8]), caplog)
-    ours = outcome(lambda: losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), [16, 8]), caplog)
+    theirs = outcome(
+        lambda: upstream.MatryoshkaLoss(model, upstream.MultipleNegativesRankingLoss(model), [16, 8]), caplog
+    )
+    ours = outcome(
+        lambda: losses.MatryoshkaLoss(model, upstream.CachedMultipleNegativesRankingLoss(model), [16, 8]), caplog
+    )
     assert ours == theirs
     if theirs[1]:
-        (logger_name, level, message), = ours[1]
+        ((logger_name, level, message),) = ours[1]
         assert logger_name == upstream.MatryoshkaLoss.__module__ and level == logging.WARNING
         assert "32" in message and "[16, 8]" in message
 
@@ -355,7 +369,9 @@ def test_layer_wrappers_behave_as_upstream_except_over_cached_losses(model, capl
     compatible; st_ext's runs it (tests/test_adaptive_layer.py), so it does not warn."""
     args = ([32, 16],) if wrapper == "Matryoshka2dLoss" else ()
     calls = {
-        "plain": lambda namespace: getattr(namespace, wrapper)(model, upstream.MultipleNegativesRankingLoss(model), *args),
+        "plain": lambda namespace: getattr(namespace, wrapper)(
+            model, upstream.MultipleNegativesRankingLoss(model), *args
+        ),
     }
     if "layer_weighting" in inspect.signature(getattr(upstream, wrapper).__init__).parameters:
         calls["bad-weighting"] = lambda namespace: getattr(namespace, wrapper)(
@@ -363,8 +379,12 @@ def test_layer_wrappers_behave_as_upstream_except_over_cached_losses(model, capl
         )
     for label, call in calls.items():
         assert outcome(lambda: call(losses), caplog) == outcome(lambda: call(upstream), caplog), label
-    theirs = outcome(lambda: getattr(upstream, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog)
-    ours = outcome(lambda: getattr(losses, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog)
+    theirs = outcome(
+        lambda: getattr(upstream, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog
+    )
+    ours = outcome(
+        lambda: getattr(losses, wrapper)(model, upstream.CachedMultipleNegativesRankingLoss(model), *args), caplog
+    )
     assert theirs[0] is None and ours == (None, [], [])
 
 
@@ -383,25 +403,42 @@ def _classes():
 INNER_LOSSES = {
     "MultipleNegativesRankingLoss": (lambda m, g: upstream.MultipleNegativesRankingLoss(m), 2, None),
     "CachedMultipleNegativesRankingLoss": (
-        lambda m, g: upstream.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), 3, None),
+        lambda m, g: upstream.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3),
+        3,
+        None,
+    ),
     "MultipleNegativesSymmetricRankingLoss": (lambda m, g: upstream.MultipleNegativesSymmetricRankingLoss(m), 2, None),
     "CachedMultipleNegativesSymmetricRankingLoss": (
-        lambda m, g: upstream.CachedMultipleNegativesSymmetricRankingLoss(m, mini_batch_size=3), 2, None),
+        lambda m, g: upstream.CachedMultipleNegativesSymmetricRankingLoss(m, mini_batch_size=3),
+        2,
+        None,
+    ),
     "CoSENTLoss": (lambda m, g: upstream.CoSENTLoss(m), 2, lambda: torch.linspace(0, 1, BATCH)),
     "AnglELoss": (lambda m, g: upstream.AnglELoss(m), 2, lambda: torch.linspace(0, 1, BATCH)),
     "CosineSimilarityLoss": (lambda m, g: upstream.CosineSimilarityLoss(m), 2, lambda: torch.linspace(0, 1, BATCH)),
     "ContrastiveLoss": (lambda m, g: upstream.ContrastiveLoss(m), 2, lambda: torch.tensor([1, 0] * (BATCH // 2))),
-    "OnlineContrastiveLoss": (lambda m, g: upstream.OnlineContrastiveLoss(m), 2, lambda: torch.tensor([1, 0] * (BATCH // 2))),
+    "OnlineContrastiveLoss": (
+        lambda m, g: upstream.OnlineContrastiveLoss(m),
+        2,
+        lambda: torch.tensor([1, 0] * (BATCH // 2)),
+    ),
     "TripletLoss": (lambda m, g: upstream.TripletLoss(m), 3, None),
     "MegaBatchMarginLoss": (lambda m, g: upstream.MegaBatchMarginLoss(m, mini_batch_size=3), 2, None),
     "MegaBatchMarginLoss-plain": (
-        lambda m, g: upstream.MegaBatchMarginLoss(m, use_mini_batched_version=False), 2, None),
+        lambda m, g: upstream.MegaBatchMarginLoss(m, use_mini_batched_version=False),
+        2,
+        None,
+    ),
     "BatchAllTripletLoss": (lambda m, g: upstream.BatchAllTripletLoss(m), 1, _classes),
     "BatchHardSoftMarginTripletLoss": (lambda m, g: upstream.BatchHardSoftMarginTripletLoss(m), 1, _classes),
     "GISTEmbedLoss": (lambda m, g: upstream.GISTEmbedLoss(m, g), 2, None),
     "CachedGISTEmbedLoss": (lambda m, g: upstream.CachedGISTEmbedLoss(m, g, mini_batch_size=3), 3, None),
     "MarginMSELoss": (lambda m, g: upstream.MarginMSELoss(m), 3, lambda: torch.linspace(-1, 1, BATCH)),
-    "MSELoss": (lambda m, g: upstream.MSELoss(m), 1, lambda: torch.rand(BATCH, 32, generator=torch.Generator().manual_seed(0))),
+    "MSELoss": (
+        lambda m, g: upstream.MSELoss(m),
+        1,
+        lambda: torch.rand(BATCH, 32, generator=torch.Generator().manual_seed(0)),
+    ),
 }
 
 
@@ -520,7 +557,10 @@ def test_model_card_names_and_describes_the_loss_as_upstream(tiny_bert_dir, guid
     assert cards["st_ext"] == cards["upstream"]
     name = case.split("(")[0]
     (line,) = [section for section in cards["st_ext"]["loss"]]
-    assert f"[<code>{name}</code>](https://sbert.net/docs/package_reference/sentence_transformer/losses.html#{name.lower()})" in line
+    assert (
+        f"[<code>{name}</code>](https://sbert.net/docs/package_reference/sentence_transformer/losses.html#{name.lower()})"
+        in line
+    )
     assert f"- loss:{name}" in cards["st_ext"]["tags"]
 
 

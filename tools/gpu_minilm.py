@@ -37,7 +37,9 @@ def pack(archive: Path) -> None:
         archive.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "w:xz") as tar:
             tar.add(copy, arcname=PACKAGE)
-    print(f"{archive}: {archive.stat().st_size / 2**20:.1f} MiB (float32 weights {sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.1f} MiB)")
+    print(
+        f"{archive}: {archive.stat().st_size / 2**20:.1f} MiB (float32 weights {sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.1f} MiB)"
+    )
 
 
 def unpack(archive: Path, target: Path) -> None:

@@ -103,9 +103,14 @@ class Part:
         except Failed as failure:
             status, result = "FAILED", str(failure)
         except Exception as error:  # noqa: BLE001 - one step's error must not stop the part
-            status, result = "FAILED", f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+            status, result = (
+                "FAILED",
+                f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}",
+            )
             traceback.print_exc()
-        self.rows.append({"check": check, "status": status, "result": result, "seconds": round(time.perf_counter() - start, 1)})
+        self.rows.append(
+            {"check": check, "status": status, "result": result, "seconds": round(time.perf_counter() - start, 1)}
+        )
         print(f"-> {status}: {result}", flush=True)
         self.write()
 
@@ -356,7 +361,9 @@ def auto_within_budget(ctx: Context) -> str:
 
     model = (minilm(ctx, 128) if ctx.cuda else tiny_model(ctx, 4, 64)).train()
     rows = 512 if ctx.cuda else 32
-    features = [preprocess(model, column, ctx.device) for column in columns_of(rows, seed=4, min_words=30, max_words=120)]
+    features = [
+        preprocess(model, column, ctx.device) for column in columns_of(rows, seed=4, min_words=30, max_words=120)
+    ]
 
     def step(loss) -> float:
         with measure_peak(ctx.device) as peak:
@@ -389,7 +396,9 @@ def nested_meter(ctx: Context) -> str:
             block = torch.empty(48 * mib, dtype=torch.uint8, device=ctx.device)
             del block
         del held
-    result = f"inner {inner.peak_mib:.2f} MiB (48 allocated), outer {outer.peak_mib:.2f} MiB (16 + 48) on {outer.meter}"
+    result = (
+        f"inner {inner.peak_mib:.2f} MiB (48 allocated), outer {outer.peak_mib:.2f} MiB (16 + 48) on {outer.meter}"
+    )
     if not (48 <= inner.peak_mib < 49 and 64 <= outer.peak_mib < 65):
         raise Failed(result)
     return result
@@ -403,8 +412,11 @@ def part1(ctx: Context, part: Part) -> None:
         code, output = run(ctx, [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                  "-k", f"cuda or {speed_paths}", *files, "tests/test_cached_speed_paths.py"])  # fmt: skip
         summary = pytest_summary(code, output)
-        return summary + ("" if ctx.cuda else "; no CUDA: the CUDA tests skipped, as conftest.py skips them") + \
-            "; the speed paths' tests build tiny models on the CPU"
+        return (
+            summary
+            + ("" if ctx.cuda else "; no CUDA: the CUDA tests skipped, as conftest.py skips them")
+            + "; the speed paths' tests build tiny models on the CPU"
+        )
 
     what = "one test" if ctx.dry_run else "all"
     part.step(f"CUDA tests (-k cuda in {len(files)} modules) and speed paths' tests ({what})", tests)
@@ -496,14 +508,18 @@ def part3(ctx: Context, part: Part) -> None:
         part.outputs.append((f"bench_layerwise.py {' '.join(argv)}", "".join(text)))
         lines = "".join(text).splitlines()
         table = [line for line in lines if "|" in line and not line.lstrip().startswith("loss")]
-        largest = [line.strip() for line in lines if line.strip().startswith(("non-cached upstream:", "cached st_ext,"))]
+        largest = [
+            line.strip() for line in lines if line.strip().startswith(("non-cached upstream:", "cached st_ext,"))
+        ]
         return "time x / mem x per loss: " + "; ".join(
             f"{line.split('|')[0].strip()}: {line.split('|')[1].split()[-1]} / {line.split('|')[2].split()[-1]}"
             for line in table) + "; largest batch in budget: " + "; ".join(largest)  # fmt: skip
 
     def offload() -> str:
         # The dry run runs one scenario (each loads all-MiniLM-L6-v2 in a process of its own).
-        command = ["benchmarks/bench_offload.py", "--device", ctx.device] + (["--scenario", "release"] if ctx.dry_run else [])
+        command = ["benchmarks/bench_offload.py", "--device", ctx.device] + (
+            ["--scenario", "release"] if ctx.dry_run else []
+        )
         code, output = run(ctx, [sys.executable, *command], timeout=300)
         part.outputs.append((" ".join(command), output))
         if code:
@@ -513,7 +529,10 @@ def part3(ctx: Context, part: Part) -> None:
             return (f"release: {row['parameter_mib']:.1f} MiB of parameters, {row['rss_returned_mib']:.1f} MiB of RSS back, "
                     f"check {'clean' if row['check_ok'] else 'LEAK'}")  # fmt: skip
         rows = [line for line in output.splitlines() if line.startswith(("naive", "release"))]
-        return "; ".join(" ".join(line.split()) for line in rows) + " (scenario, params MiB, RSS back, CUDA back, check, s)"
+        return (
+            "; ".join(" ".join(line.split()) for line in rows)
+            + " (scenario, params MiB, RSS back, CUDA back, check, s)"
+        )
 
     part.step("gradient checkpointing (bench_checkpointing.py)", checkpointing)
     part.step("layer-wise caching (bench_layerwise.py)", layerwise)
@@ -533,7 +552,7 @@ def part4(ctx: Context, part: Part) -> None:
 
     def probe() -> str:
         tried = []
-        for name in ([backend["name"], "gloo"] if ctx.cuda else ["gloo"]):
+        for name in [backend["name"], "gloo"] if ctx.cuda else ["gloo"]:
             out = ctx.work / f"probe-{name}"
             out.mkdir(exist_ok=True)
             code, output = torchrun(ctx, helper, "--backend", name, "probe", "--out", str(out), timeout=180)
@@ -566,7 +585,10 @@ def part4(ctx: Context, part: Part) -> None:
         code, output = torchrun(ctx, helper, "--backend", backend["name"], "--stages", ",".join(map(str, stages)),
                                 mode, *paths, "--out", str(out), *cases)  # fmt: skip
         if code:
-            raise Failed(f"torchrun exit {code}: " + next((line for line in reversed(output.splitlines()) if "Error" in line), "")[:300])
+            raise Failed(
+                f"torchrun exit {code}: "
+                + next((line for line in reversed(output.splitlines()) if "Error" in line), "")[:300]
+            )
         on_device(worker, torch.device(ctx.device), backend["name"])
         verdicts = []
         for case in cases:
@@ -590,12 +612,16 @@ def part4(ctx: Context, part: Part) -> None:
         return result
 
     def ddp_fsdp2(case: str) -> list[tuple[str, str]]:
-        return [("DDP", case)] + [(f"FSDP2 {resharding}", f"{case}-fsdp2-{resharding}") for resharding in ("default", "kept_gathered")]
+        return [("DDP", case)] + [
+            (f"FSDP2 {resharding}", f"{case}-fsdp2-{resharding}") for resharding in ("default", "kept_gathered")
+        ]
 
     def zero(case: str) -> list[tuple[str, str]]:
         return [(f"ZeRO-{stage}", f"{case}-zero{stage}") for stage in stages]
 
-    part.step("cached Matryoshka under DDP and FSDP2 (both reshardings) = one process", lambda: equality("losses", ddp_fsdp2))
+    part.step(
+        "cached Matryoshka under DDP and FSDP2 (both reshardings) = one process", lambda: equality("losses", ddp_fsdp2)
+    )
     zero_check = f"cached Matryoshka under DeepSpeed ZeRO {'/'.join(map(str, stages))} = one process"
     if version("deepspeed") == "not installed":
         part.step(zero_check, skipped("DeepSpeed is not installed"))
@@ -659,7 +685,11 @@ def varlen_kernel(ctx: Context) -> tuple[str, Callable | None, str]:
                     raise ValueError(f"torch {torch.__version__}'s varlen_attn has no scale argument")
                 return varlen_attn(q, k, v, cu, cu, max_len, max_len)
 
-            return "torch.nn.attention.varlen.varlen_attn (PyTorch's FlashAttention kernel)", attention_over(pytorch), "; ".join(passed)
+            return (
+                "torch.nn.attention.varlen.varlen_attn (PyTorch's FlashAttention kernel)",
+                attention_over(pytorch),
+                "; ".join(passed),
+            )
         except ImportError as error:
             passed.append(f"torch {torch.__version__} varlen_attn: {error}")
     else:
@@ -691,7 +721,10 @@ def flattened(model, kernel_name: str, kernel: Callable | None):
 
     if kernel is None:
         return plain.make_flattening(model)
-    with mock.patch.object(plain, "varlen_attention", kernel), mock.patch.object(plain, "VARLEN_ATTENTION", "report_varlen"):
+    with (
+        mock.patch.object(plain, "varlen_attention", kernel),
+        mock.patch.object(plain, "VARLEN_ATTENTION", "report_varlen"),
+    ):
         return plain.make_flattening(model)
 
 
@@ -701,7 +734,10 @@ def part5(ctx: Context, part: Part) -> None:
 
     if not flattening_supported():
         for check in ("variable-length kernel", "flattened = padded", "speed"):
-            part.step(check, skipped(f"sentence-transformers {version('sentence-transformers')} does not flatten inputs (5.4+)"))
+            part.step(
+                check,
+                skipped(f"sentence-transformers {version('sentence-transformers')} does not flatten inputs (5.4+)"),
+            )
         return
     from loss_checks import loss_and_grads
 
@@ -720,7 +756,9 @@ def part5(ctx: Context, part: Part) -> None:
     columns = columns_of(rows, seed=5, min_words=words[0], max_words=words[1])
 
     def loss_of(model):
-        loss = losses.MatryoshkaLoss(model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs), dims)
+        loss = losses.MatryoshkaLoss(
+            model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs), dims
+        )
 
         def call(features, labels):
             with torch.autocast(ctx.device, dtype=dtype or torch.float32, enabled=dtype is not None):

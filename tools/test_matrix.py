@@ -57,9 +57,10 @@ class Result:
 
 def tee(command: list[str], log: Path) -> int:
     """Run a command, echoing its output and keeping a copy in log."""
-    with log.open("w") as out, subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    ) as process:
+    with (
+        log.open("w") as out,
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process,
+    ):
         for text in process.stdout:
             sys.stdout.write(text)
             out.write(text)
@@ -100,7 +101,9 @@ def run_minor(minor: str, args: argparse.Namespace, pytest_args: list[str]) -> R
     versions = subprocess.run([python, "-c", VERSIONS], capture_output=True, text=True)
     if versions.returncode == 0:
         result.st, result.transformers, result.torch = versions.stdout.split()
-    print(f"== sentence-transformers {result.st} (transformers {result.transformers}, torch {result.torch})", flush=True)
+    print(
+        f"== sentence-transformers {result.st} (transformers {result.transformers}, torch {result.torch})", flush=True
+    )
 
     start = time.monotonic()
     command = [python, "-m", "pytest", "-q", "-m", args.mark, f"--junitxml={junit}", *pytest_args]
@@ -121,7 +124,7 @@ def run_minor(minor: str, args: argparse.Namespace, pytest_args: list[str]) -> R
 
 def write_report(results: list[Result], mark: str, total_s: float) -> None:
     rows = [
-        f"# Test matrix: `-m \"{mark}\"` on every minor of sentence-transformers",
+        f'# Test matrix: `-m "{mark}"` on every minor of sentence-transformers',
         "",
         f"{datetime.now():%Y-%m-%d %H:%M}, {total_s:.0f} s in all (venv builds included). "
         "Pins: requirements/matrix/st-<minor>.txt; logs: runs/test-matrix/.",

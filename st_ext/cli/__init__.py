@@ -3,6 +3,7 @@ training run), :mod:`.demo_data`, :mod:`.evaluation` and :mod:`.reporting`.
 
 ``main`` is the console script ``st-ext`` (``st_ext.cli:main``) and ``python -m st_ext``.
 """
+
 from __future__ import annotations
 
 import importlib.util

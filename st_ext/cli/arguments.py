@@ -61,16 +61,24 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
     for alias, name in ALIASES.items():
         target = parser_option(parser, "--" + name)
         parser.add_argument(
-            "--" + alias.replace("_", "-"), "--" + alias, dest=name, type=target.type, default=argparse.SUPPRESS,
+            "--" + alias.replace("_", "-"),
+            "--" + alias,
+            dest=name,
+            type=target.type,
+            default=argparse.SUPPRESS,
             help=f"short for --{name.replace('_', '-')}",
         )
-    parser.add_argument("--config", type=Path, default=None, help="YAML or JSON file of settings: keys as the flags, with _ for -")
     parser.add_argument(
-        "--list-losses", action="store_true",
+        "--config", type=Path, default=None, help="YAML or JSON file of settings: keys as the flags, with _ for -"
+    )
+    parser.add_argument(
+        "--list-losses",
+        action="store_true",
         help="print each registered loss with its input columns, marking those st-ext train can train, and exit",
     )
     parser.add_argument(
-        "--verbose", action="store_true",
+        "--verbose",
+        action="store_true",
         help="also print what goes to metrics.json only (the guide's release report) and transformers' "
         "loading and saving progress bars",
     )
@@ -102,7 +110,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
     try:
         settings = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except Exception as error:  # json and yaml raise their own error types
-        raise ConfigError(f"config: {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {error}") from error
+        raise ConfigError(
+            f"config: {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {error}"
+        ) from error
     if settings is None:
         return {}
     if not isinstance(settings, dict):
@@ -123,7 +133,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         converted.update(convert_settings(SentenceTransformerTrainingArguments, settings, "config"))
         for alias, name in ALIASES.items():
             if alias in settings:
-                converted[name] = convert_setting(SentenceTransformerTrainingArguments, name, settings[alias], f"config: {alias}")
+                converted[name] = convert_setting(
+                    SentenceTransformerTrainingArguments, name, settings[alias], f"config: {alias}"
+                )
     except SettingError as error:
         raise ConfigError(str(error)) from None
     return converted

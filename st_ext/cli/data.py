@@ -53,7 +53,9 @@ def check_data_path(setting: str, name: str) -> None:
         raise ConfigError(f"{setting}: {name!r} is a directory; pass a JSONL, CSV or Parquet file.")
     if path.is_file():
         if path.suffix.lower() not in DATA_FORMATS:
-            raise ConfigError(f"{setting}: {path.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}.")
+            raise ConfigError(
+                f"{setting}: {path.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}."
+            )
         _check_readable(path, setting)
         return
     if path.suffix.lower() in DATA_FORMATS or not looks_like_hub_id(name):
@@ -70,7 +72,9 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
 
             dataset = load_dataset(DATA_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
         except Exception as error:  # the datasets library raises many types for unreadable files
-            raise ConfigError(f"{setting}: cannot read {path}: {str(error).strip() or type(error).__name__}") from error
+            raise ConfigError(
+                f"{setting}: cannot read {path}: {str(error).strip() or type(error).__name__}"
+            ) from error
         label = path.name
     else:
         dataset, label = load_dataset_from_hub(name), name
@@ -94,7 +98,9 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
         else:
             skipped += 1
     if not rows:
-        raise ConfigError(f"{setting}: {label} has no rows with all of {', '.join(map(repr, columns.source()))} filled.")
+        raise ConfigError(
+            f"{setting}: {label} has no rows with all of {', '.join(map(repr, columns.source()))} filled."
+        )
     return Rows(rows, skipped)
 
 

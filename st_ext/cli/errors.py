@@ -1,4 +1,5 @@
 """The one error type of ``st-ext train``'s input checks, kept apart so every module can raise it."""
+
 from __future__ import annotations
 
 

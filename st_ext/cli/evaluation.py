@@ -16,7 +16,9 @@ METRICS = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@10")
 def retrieval_evaluators(queries: list[str], documents: list[str], dims: list[int], batch_size: int = 64) -> dict:
     """``{dim: InformationRetrievalEvaluator}`` for each dim in ``dims``, over the pairs ``(queries[i], documents[i])``."""
     if len(queries) != len(documents):
-        raise ValueError(f"Need one relevant document per query: got {len(queries)} queries and {len(documents)} documents.")
+        raise ValueError(
+            f"Need one relevant document per query: got {len(queries)} queries and {len(documents)} documents."
+        )
     document_ids: dict[str, str] = {}
     for document in documents:
         document_ids.setdefault(document, f"d{len(document_ids)}")

@@ -53,10 +53,14 @@ def model_config(model_id: str, setting: str = "model") -> Path:
     except Exception:  # not in the cache: huggingface_hub raises several types for that
         pass
     if offline_mode():
-        raise ConfigError(f"{where} is not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory.")
+        raise ConfigError(
+            f"{where} is not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it once online, or pass a local directory."
+        )
     reason = unreachable_reason()
     if reason is not None:
-        raise ConfigError(f"{where} is not in the local Hugging Face cache, and {reason}; download it once online, or pass a local directory.")
+        raise ConfigError(
+            f"{where} is not in the local Hugging Face cache, and {reason}; download it once online, or pass a local directory."
+        )
     try:
         return Path(hf_hub_download(model_id, "config.json"))
     except Exception as error:  # RepositoryNotFound, gated, ... : one line with the Hub's reason

@@ -68,9 +68,14 @@ class TrainConfig:
     are ``SentenceTransformerTrainingArguments`` fields: see :mod:`st_ext.cli.trainer_args`.
     """
 
-    model: str | None = field(default=None, metadata={"help": "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2"})
+    model: str | None = field(
+        default=None, metadata={"help": "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2"}
+    )
     data: str | None = field(
-        default=None, metadata={"help": "JSONL/CSV/Parquet file or Hub dataset of pairs; unset: the built-in standard-library pairs"}
+        default=None,
+        metadata={
+            "help": "JSONL/CSV/Parquet file or Hub dataset of pairs; unset: the built-in standard-library pairs"
+        },
     )
     anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
     positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
@@ -78,22 +83,43 @@ class TrainConfig:
         default_factory=list, metadata={"help": "columns holding hard negatives, in order (unset: none)"}
     )
     max_pairs: int | None = field(
-        default=None, metadata={"help": "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"}
+        default=None,
+        metadata={"help": "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"},
     )
     eval_data: str | None = field(
-        default=None, metadata={"help": "file or Hub dataset of held-out pairs (same columns); unset: hold out --eval-fraction of --data"}
+        default=None,
+        metadata={
+            "help": "file or Hub dataset of held-out pairs (same columns); unset: hold out --eval-fraction of --data"
+        },
     )
     eval_fraction: float | None = field(
-        default=None, metadata={"help": f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})"}
+        default=None,
+        metadata={
+            "help": f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})"
+        },
     )
-    loss: str = field(default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"})
+    loss: str = field(
+        default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"}
+    )
     mini_batch_size: int | str = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
-    memory_budget_mb: float | None = field(default=None, metadata={"help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"})
-    matryoshka_dims: list[int] = field(default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"})
-    guide: str | None = field(default=None, metadata={"help": "guide model directory or Hub id for GIST losses; unset: the model's starting weights"})
+    memory_budget_mb: float | None = field(
+        default=None,
+        metadata={
+            "help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"
+        },
+    )
+    matryoshka_dims: list[int] = field(
+        default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"}
+    )
+    guide: str | None = field(
+        default=None,
+        metadata={"help": "guide model directory or Hub id for GIST losses; unset: the model's starting weights"},
+    )
     guide_mode: str = field(
         default="precompute",
-        metadata={"help": "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release the guide), offload (keep it on the CPU between uses) or resident"},
+        metadata={
+            "help": "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release the guide), offload (keep it on the CPU between uses) or resident"
+        },
     )
     max_seq_length: int = field(default=64, metadata={"help": "truncate texts to this many tokens"})
 
@@ -115,7 +141,9 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
     if config.eval_data is not None:
         check_data_path("eval_data", config.eval_data)
         if config.eval_fraction is not None:
-            raise ConfigError("eval_fraction: --eval-data holds the evaluation pairs, so nothing is held out; leave one of them out.")
+            raise ConfigError(
+                "eval_fraction: --eval-data holds the evaluation pairs, so nothing is held out; leave one of them out."
+            )
     if config.loss not in known_losses():
         raise ConfigError(f"loss: unknown name {config.loss!r}; known: {', '.join(known_losses())}.")
     spec = loss_spec(config.loss)
@@ -134,8 +162,12 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
     if trainer_settings["per_device_train_batch_size"] < 2:
         batch = trainer_settings["per_device_train_batch_size"]
-        raise ConfigError(f"{setting_name('per_device_train_batch_size')}: {batch} leaves no in-batch negatives; use 2 or more.")
-    if config.mini_batch_size != "auto" and not (isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0):
+        raise ConfigError(
+            f"{setting_name('per_device_train_batch_size')}: {batch} leaves no in-batch negatives; use 2 or more."
+        )
+    if config.mini_batch_size != "auto" and not (
+        isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0
+    ):
         raise ConfigError(f"mini_batch_size: {config.mini_batch_size!r} must be a positive integer or 'auto'.")
     if config.memory_budget_mb is not None and config.memory_budget_mb <= 0:
         raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
@@ -166,7 +198,9 @@ def _check_model(setting: str, name: str, max_seq_length: int | None = None) -> 
     elif looks_like_hub_id(name):
         config_file = model_config(name, setting)
     else:
-        raise ConfigError(f"{setting}: {name!r} is not a directory; pass a saved SentenceTransformer directory or a Hub id.")
+        raise ConfigError(
+            f"{setting}: {name!r} is not a directory; pass a saved SentenceTransformer directory or a Hub id."
+        )
     positions = _max_positions(config_file)
     if max_seq_length is not None and positions is not None and max_seq_length > positions:
         raise ConfigError(
@@ -230,7 +264,11 @@ def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
     defaults = TrainConfig()
     unused = [
         ("guide", not spec.guided and config.guide is not None, "only the GIST losses use a guide"),
-        ("guide_mode", not spec.guided and config.guide_mode != defaults.guide_mode, "only the GIST losses use a guide"),
+        (
+            "guide_mode",
+            not spec.guided and config.guide_mode != defaults.guide_mode,
+            "only the GIST losses use a guide",
+        ),
         (
             "mini_batch_size",
             not spec.cached and config.mini_batch_size != defaults.mini_batch_size,
@@ -244,7 +282,9 @@ def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
     ]
     for name, is_unused, reason in unused:
         if is_unused:
-            raise ConfigError(f"{name}: {config.loss!r} would ignore it ({reason}); leave it out or choose a loss that uses it.")
+            raise ConfigError(
+                f"{name}: {config.loss!r} would ignore it ({reason}); leave it out or choose a loss that uses it."
+            )
 
 
 def _check_output_dir(output_dir: Path) -> None:
@@ -300,7 +340,9 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None, ver
         return _run(config, settings, output_dir, checkpoint, resumed_step, verbose)
 
 
-def _run(config, settings, output_dir: Path, checkpoint: str | None, resumed_step: int | None, verbose: bool) -> dict[str, Any]:
+def _run(
+    config, settings, output_dir: Path, checkpoint: str | None, resumed_step: int | None, verbose: bool
+) -> dict[str, Any]:
     seed = settings["seed"]
     torch.manual_seed(seed)
     for line in publishing.recover(output_dir):
@@ -388,7 +430,9 @@ def memory_summary(memory: dict[str, Any], loss: str) -> list[str]:
         measured = "out of memory" if reference["peak_mib"] is None else f"{reference['peak_mib']:.1f} MiB"
         same = reference["trained_loss_same_batch_mib"]
         trained = "" if same is None else f" ({loss} on that batch: {same:.1f} MiB)"
-        lines.append(f"  {reference['loss']} (no caching), forward+backward on {reference['batch']}: {measured}{trained}")
+        lines.append(
+            f"  {reference['loss']} (no caching), forward+backward on {reference['batch']}: {measured}{trained}"
+        )
     lines.append(f"  whole step, the optimizer's update and state included: max {memory['step_peak_mib']:.1f} MiB")
     return lines
 
@@ -432,7 +476,9 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
     report included, which the console shows with ``--verbose`` only), time, versions."""
     steps = recorder.rows
     seconds = sorted(row["seconds"] for row in steps)
-    forward_backward = [row["forward_backward_peak_mib"] for row in steps if row["forward_backward_peak_mib"] is not None]
+    forward_backward = [
+        row["forward_backward_peak_mib"] for row in steps if row["forward_backward_peak_mib"] is not None
+    ]
     return {
         "settings": {**dataclasses.asdict(config), "trainer": _jsonable(settings)},
         "data": {key: value for key, value in data_report.items() if key != "warnings"},
@@ -445,7 +491,9 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
             ),
             "forward_backward_peak_mib": max(forward_backward, default=None),
             "forward_backward_counts": FORWARD_BACKWARD,
-            "uncached_reference": None if reference is None else {
+            "uncached_reference": None
+            if reference is None
+            else {
                 **dataclasses.asdict(reference),
                 # The trained loss's figure on the same batch, counted the same way: what caching saved there.
                 "trained_loss_same_batch_mib": steps[0]["forward_backward_peak_mib"] if steps else None,
@@ -484,7 +532,10 @@ def versions() -> dict[str, str]:
 
 
 def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:
-    return {name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value) for name, value in settings.items()}
+    return {
+        name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value)
+        for name, value in settings.items()
+    }
 
 
 def _already_complete(checkpoint: str, step: int, output_dir: Path) -> str:
@@ -523,7 +574,11 @@ PLAIN_WORD_SETTINGS = ("optim",)
 def with_flags(message: str) -> str:
     """A library error names Python arguments (``memory_budget_mb``, the training arguments' ``optim``);
     the command adds the flags that set them."""
-    names = [name for name in (*TrainConfig.field_names(), *trainer_field_names()) if "_" in name or name in PLAIN_WORD_SETTINGS]
+    names = [
+        name
+        for name in (*TrainConfig.field_names(), *trainer_field_names())
+        if "_" in name or name in PLAIN_WORD_SETTINGS
+    ]
     found = {}
     for name in names:
         match = re.search(rf"(?<![\w.-]){name}(?![\w-])", message)
@@ -564,7 +619,14 @@ class ResultsNotWritten(ConfigError):
 
 
 def _publish_results(
-    output_dir: Path, model, before: dict, after: dict, recorder: StepMemoryRecorder, reference, report: dict, loss: str
+    output_dir: Path,
+    model,
+    before: dict,
+    after: dict,
+    recorder: StepMemoryRecorder,
+    reference,
+    report: dict,
+    loss: str,
 ) -> dict[str, Path]:
     """Write every result into a staging folder, then put them all in place at once (:mod:`st_ext.cli.publishing`).
 

@@ -68,7 +68,11 @@ def uncached_counterpart(loss_name: str) -> str | None:
         name = name.removeprefix(QUEUE_MARK)
     counterpart = MATRYOSHKA_PREFIX + name if matryoshka else name
     spec, trained = BASE_LOSSES.get(name), loss_spec(loss_name)
-    if counterpart not in known_losses() or spec.cached or (spec.columns, spec.guided) != (trained.columns, trained.guided):
+    if (
+        counterpart not in known_losses()
+        or spec.cached
+        or (spec.columns, spec.guided) != (trained.columns, trained.guided)
+    ):
         raise LookupError(f"the loss registry holds no uncached counterpart of {loss_name!r}")
     return counterpart
 
@@ -98,8 +102,14 @@ def build_reference_loss(loss_name: str, trained_loss, model, dims: list[int]):
 
 
 def measure_reference_peak(
-    loss_name: str, trained_loss, model, features: list[dict[str, Tensor]], labels: Tensor | None, dims: list[int],
-    device: str, batch: str = "the first step's batch",
+    loss_name: str,
+    trained_loss,
+    model,
+    features: list[dict[str, Tensor]],
+    labels: Tensor | None,
+    dims: list[int],
+    device: str,
+    batch: str = "the first step's batch",
 ) -> ReferencePeak | None:
     """The uncached counterpart's forward and backward peak on ``features`` (a collated batch's columns on
     ``device``), or None if the loss does not cache."""

@@ -136,7 +136,12 @@ def memory_figure(rows: list[dict], reference=None, loss: str = "trained loss"):
     figure.set_size_inches(6.4, 4.8)
     measured = [r for r in rows if r.get("forward_backward_peak_mib") is not None]
     tops = [r["forward_backward_peak_mib"] for r in measured]
-    axes.plot([r["step"] for r in measured], tops, marker="o", label=f"{loss} (trained{', cached' if reference is not None else ''}), each step's batch")
+    axes.plot(
+        [r["step"] for r in measured],
+        tops,
+        marker="o",
+        label=f"{loss} (trained{', cached' if reference is not None else ''}), each step's batch",
+    )
     if reference is not None and reference.peak_mib is not None:
         axes.axhline(reference.peak_mib, linestyle="--", color="tab:red", label=reference.label())
         tops.append(reference.peak_mib)

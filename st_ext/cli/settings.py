@@ -25,7 +25,9 @@ def convert_settings(dataclass_type: type, settings: dict[str, Any], source: str
     """``settings`` with every value converted to its field's type in ``dataclass_type``."""
     hints = typing.get_type_hints(dataclass_type)
     fields = {field.name for field in dataclasses.fields(dataclass_type)}
-    return {name: _convert(hints[name], value, f"{source}: {name}") for name, value in settings.items() if name in fields}
+    return {
+        name: _convert(hints[name], value, f"{source}: {name}") for name, value in settings.items() if name in fields
+    }
 
 
 def convert_setting(dataclass_type: type, field_name: str, value: Any, where: str) -> Any:

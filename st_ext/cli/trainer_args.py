@@ -59,7 +59,9 @@ def with_defaults(settings: dict[str, Any] | None) -> dict[str, Any]:
     return {**TRAINER_DEFAULTS, **(settings or {})}
 
 
-def training_arguments(settings: dict[str, Any], output_dir: str, use_cpu: bool) -> SentenceTransformerTrainingArguments:
+def training_arguments(
+    settings: dict[str, Any], output_dir: str, use_cpu: bool
+) -> SentenceTransformerTrainingArguments:
     """The Trainer's arguments from ``settings`` (field name -> value), writing into ``output_dir``.
 
     ``use_cpu`` is the command's choice (True without CUDA) unless the settings ask for the CPU. The

@@ -26,6 +26,7 @@ installed release's order (st_ext's own options are keyword-only), raises and wa
 does, and appears in the model card under upstream's name, documentation link and parameters
 (:mod:`st_ext.losses._signatures`).
 """
+
 from __future__ import annotations
 
 from st_ext._compat import st_losses as _st_losses

@@ -190,10 +190,13 @@ def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
         if parameter.name not in NOT_IN_CARD
     }
     for name, parameter in inspect.signature(type(loss).__init__).parameters.items():
-        if name in config or name in NOT_IN_CARD or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        if (
+            name in config
+            or name in NOT_IN_CARD
+            or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+        ):
             continue
         value = getattr(loss, name)
         if not is_default(value, parameter.default):
             config[name] = card_value(value)
     return config
-

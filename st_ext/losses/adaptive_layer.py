@@ -116,7 +116,9 @@ class LayerStep:
         total = 0
         for reps in layers:
             student = F.log_softmax(all_rows(reps) / temperature, dim=-1)
-            total = total + F.kl_div(student, teacher, reduction="batchmean") * temperature * self.wrapper.kl_div_weight
+            total = (
+                total + F.kl_div(student, teacher, reduction="batchmean") * temperature * self.wrapper.kl_div_weight
+            )
         return total
 
 
@@ -177,7 +179,9 @@ _ST_EXT_NOTE = (
 
 @named_like_upstream(_upstream.AdaptiveLayerLoss)
 class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
-    __doc__ = (_upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or "") + _ST_EXT_NOTE
+    __doc__ = (
+        _upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or ""
+    ) + _ST_EXT_NOTE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         arguments = _bound_arguments(_upstream.AdaptiveLayerLoss, args, kwargs)

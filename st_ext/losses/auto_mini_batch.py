@@ -77,7 +77,8 @@ class MiniBatchChoice:
         if self.budget_bytes is None:
             return f"mini_batch_size auto -> {self.size} ({how}: no memory budget on this device)"
         tried = ", ".join(
-            f"{size}: {peak / 2**20:.0f} MiB" if peak >= 0 else f"{size}: out of memory" for size, peak in self.tried.items()
+            f"{size}: {peak / 2**20:.0f} MiB" if peak >= 0 else f"{size}: out of memory"
+            for size, peak in self.tried.items()
         )
         return (
             f"mini_batch_size auto -> {self.size} ({how}; {self.rows} rows, longest {self.longest_row} tokens; "
@@ -94,7 +95,9 @@ class AutoMiniBatch:
 
     def __init__(self, memory_budget_mb: float | None = None) -> None:
         if memory_budget_mb is not None and (
-            isinstance(memory_budget_mb, bool) or not isinstance(memory_budget_mb, (int, float)) or memory_budget_mb <= 0
+            isinstance(memory_budget_mb, bool)
+            or not isinstance(memory_budget_mb, (int, float))
+            or memory_budget_mb <= 0
         ):
             raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {memory_budget_mb!r}.")
         self.memory_budget_mb = memory_budget_mb
@@ -105,7 +108,9 @@ class AutoMiniBatch:
     def __repr__(self) -> str:
         return f"AutoMiniBatch(memory_budget_mb={self.memory_budget_mb!r}, choice={self.choice})"
 
-    def size_for(self, model: nn.Module, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> int:
+    def size_for(
+        self, model: nn.Module, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
+    ) -> int:
         """The mini-batch size for this batch: the last choice, or a new measurement when this batch
         has more rows or a longer row than the last one measured."""
         rows = sum(layout.rows for layout in layouts)
@@ -177,7 +182,16 @@ class _Series:
     rest of the step included) and seconds of each, with or without gradient checkpointing."""
 
     def __init__(
-        self, model, sentence_features, layouts, rows, budget, device, *, checkpointed: bool = False, update_bytes: int = 0
+        self,
+        model,
+        sentence_features,
+        layouts,
+        rows,
+        budget,
+        device,
+        *,
+        checkpointed: bool = False,
+        update_bytes: int = 0,
     ):
         self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
         self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
@@ -402,7 +416,9 @@ def resolve_mini_batching(
     return MiniBatching(size, None, loss.auto.choice.checkpointing)
 
 
-def auto_state(mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None) -> AutoMiniBatch | None:
+def auto_state(
+    mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
+) -> AutoMiniBatch | None:
     """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``)."""
     if mini_batch_size != AUTO:
         if memory_budget_mb is not None:

@@ -173,7 +173,6 @@ def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossSt
     return replace(description, name=name, start=start)
 
 
-
 def wrapped_model(loss: nn.Module) -> nn.Module | None:
     """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
     model = getattr(loss, "model", None)

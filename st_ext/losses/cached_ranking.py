@@ -133,7 +133,7 @@ def _subclass(upstream_class: type) -> type:
     namespace = {
         "__init__": __init__,
         "__doc__": (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "")
-        + "\n\n    st_ext: runs on st_ext's GradCache engine; ``mini_batch_size`` may be ``\"auto\"``, sized to the "
+        + '\n\n    st_ext: runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the '
         "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n",
         "__module__": __name__,
         "__qualname__": upstream_class.__name__,

@@ -404,7 +404,7 @@ def triplet_step(
 
 
 def memory_kind(loss: nn.Module) -> str:
-    """"ranking" or "triplet", or an error naming the losses a memory supports."""
+    """ "ranking" or "triplet", or an error naming the losses a memory supports."""
     upstream = st_losses()
     ranking = (
         upstream.MultipleNegativesRankingLoss,
@@ -457,7 +457,12 @@ class CrossBatchMemoryLoss(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, loss: nn.Module, memory_size: int = DEFAULT_MEMORY_SIZE, *, mask_own_positive: bool = True
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        memory_size: int = DEFAULT_MEMORY_SIZE,
+        *,
+        mask_own_positive: bool = True,
     ):
         super().__init__()
         validate_memory_size(memory_size)

@@ -198,9 +198,12 @@ class TeacherLabels(KeyedRows):
                     yield features, partial(label, features)
                     progress.update(len(batch[columns[0]]))
 
-        with frozen_placement(teacher, device, offloaded=device is not None), tqdm(
-            total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
-        ) as progress:
+        with (
+            frozen_placement(teacher, device, offloaded=device is not None),
+            tqdm(
+                total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
+            ) as progress,
+        ):
             return cls.from_batches(batches(progress), empty=torch.empty(0))
 
 
@@ -270,7 +273,9 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
     ) -> None:
         super().__init__()
         self.kind = label_kind(loss)
-        neither = ValueError("DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None.")
+        neither = ValueError(
+            "DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None."
+        )
         self._check_encoder_and_table(teacher, teacher_labels, offload_teacher, neither=neither)
         _validate_teacher(loss, teacher, self.kind)
         self.loss = loss
@@ -373,9 +378,11 @@ def precompute_teacher_labels(
     teacher.requires_grad_(False).eval()
     placement = frozen_placement(teacher, device, offloaded=device is not None)
     chunks = []
-    with placement, torch.no_grad(), tqdm(
-        total=len(dataset), desc="Teacher labels", disable=not show_progress_bar
-    ) as progress:
+    with (
+        placement,
+        torch.no_grad(),
+        tqdm(total=len(dataset), desc="Teacher labels", disable=not show_progress_bar) as progress,
+    ):
         for begin in range(0, len(dataset), batch_size):
             batch = dataset[begin : begin + batch_size]
             texts = [batch[column] for column in (columns[:1] if kind == EMBEDDINGS else columns)]

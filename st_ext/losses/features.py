@@ -205,9 +205,7 @@ def _padded_text_facts(features: Features) -> dict[str, Any]:
 def _media_cuts(features: Features, rows: int, offsets: dict[str, np.ndarray]) -> dict[str, str]:
     """Cuts of the media keys of padded features, adding the per-row offsets of their axes to ``offsets``."""
     cuts: dict[str, str] = {}
-    counts = {
-        key: features[key] for _, _, key, _, _ in MEDIA_GRIDS if isinstance(features.get(key), Tensor)
-    }
+    counts = {key: features[key] for _, _, key, _, _ in MEDIA_GRIDS if isinstance(features.get(key), Tensor)}
     grids = [
         entry
         for entry in MEDIA_GRIDS

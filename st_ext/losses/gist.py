@@ -141,7 +141,9 @@ class GuideEmbeddings(KeyedRows):
             return embed_frozen(guide, select_rows(features, rows), retokenize_with, torch.device("cpu"))
 
         def batches():
-            for begin in tqdm(range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar):
+            for begin in tqdm(
+                range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
+            ):
                 features = preprocess(model, texts[begin : begin + batch_size])
                 yield features, partial(embed, features)
 
@@ -675,6 +677,7 @@ def _refuse_static_embedding(model: nn.Module) -> None:
 def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
     """Upstream's ``CachedGISTEmbedLoss`` described: its guide runs once, in GradCache's step (1), and its
     loss over embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
+
     def frozen(sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
         retokenize_with = loss.tokenizer if loss.must_retokenize else None
         show_progress_bar = getattr(loss, "show_progress_bar", False)

@@ -180,7 +180,9 @@ def can_merge(sentence_features: Sequence[Features], layouts: Sequence[ColumnLay
 def _equal(first: Any, other: Any) -> bool:
     try:
         if isinstance(first, Tensor) or isinstance(other, Tensor):
-            return isinstance(first, Tensor) and isinstance(other, Tensor) and torch.equal(first, other.to(first.device))
+            return (
+                isinstance(first, Tensor) and isinstance(other, Tensor) and torch.equal(first, other.to(first.device))
+            )
         return bool(first == other)
     except (RuntimeError, ValueError, TypeError):
         return False

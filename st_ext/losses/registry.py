@@ -58,11 +58,11 @@ _LABELLED = "(text, label)"
 
 BASE_LOSSES: dict[str, LossSpec] = {
     "mnrl": LossSpec(_upstream("MultipleNegativesRankingLoss"), "in-batch negatives ranking (InfoNCE)"),
-    "cached_mnrl": LossSpec(CachedMultipleNegativesRankingLoss, "mnrl with GradCache: any batch in mini-batch memory", cached=True),
-    "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss"), "mnrl in both directions"),
-    "cached_mnsrl": LossSpec(
-        CachedMultipleNegativesSymmetricRankingLoss, "mnsrl with GradCache", cached=True
+    "cached_mnrl": LossSpec(
+        CachedMultipleNegativesRankingLoss, "mnrl with GradCache: any batch in mini-batch memory", cached=True
     ),
+    "mnsrl": LossSpec(_upstream("MultipleNegativesSymmetricRankingLoss"), "mnrl in both directions"),
+    "cached_mnsrl": LossSpec(CachedMultipleNegativesSymmetricRankingLoss, "mnsrl with GradCache", cached=True),
     "gist": LossSpec(GISTEmbedLoss, "mnrl whose guide model drops false negatives", guided=True),
     "cached_gist": LossSpec(CachedGISTEmbedLoss, "gist with GradCache", cached=True, guided=True),
     "cosent": LossSpec(_upstream("CoSENTLoss"), "ranks pairs by a similarity score", _SCORED),
@@ -73,21 +73,28 @@ BASE_LOSSES: dict[str, LossSpec] = {
     "batch_hard_triplet": LossSpec(BatchHardTripletLoss, "the hardest positive and negative per anchor", _LABELLED),
     "batch_semi_hard_triplet": LossSpec(BatchSemiHardTripletLoss, "semi-hard negatives per anchor", _LABELLED),
     "xbm_mnrl": LossSpec(
-        with_memory(_upstream("MultipleNegativesRankingLoss")), "mnrl with a queue of earlier batches' documents",
+        with_memory(_upstream("MultipleNegativesRankingLoss")),
+        "mnrl with a queue of earlier batches' documents",
         matryoshka=False,
     ),
     "xbm_cached_mnrl": LossSpec(
-        with_memory(CachedMultipleNegativesRankingLoss), "cached_mnrl with a queue of earlier batches' documents",
+        with_memory(CachedMultipleNegativesRankingLoss),
+        "cached_mnrl with a queue of earlier batches' documents",
         cached=True,
     ),
     "xbm_batch_all_triplet": LossSpec(
         with_memory(BatchAllTripletLoss), "batch_all_triplet with a queue of earlier rows", _LABELLED, matryoshka=False
     ),
     "xbm_batch_hard_triplet": LossSpec(
-        with_memory(BatchHardTripletLoss), "batch_hard_triplet with a queue of earlier rows", _LABELLED, matryoshka=False
+        with_memory(BatchHardTripletLoss),
+        "batch_hard_triplet with a queue of earlier rows",
+        _LABELLED,
+        matryoshka=False,
     ),
     "xbm_batch_semi_hard_triplet": LossSpec(
-        with_memory(BatchSemiHardTripletLoss), "batch_semi_hard_triplet with a queue of earlier rows", _LABELLED,
+        with_memory(BatchSemiHardTripletLoss),
+        "batch_semi_hard_triplet with a queue of earlier rows",
+        _LABELLED,
         matryoshka=False,
     ),
 }
@@ -104,7 +111,9 @@ def describe_losses() -> list[str]:
     lines = []
     for name in known_losses():
         spec = loss_spec(name)
-        description = spec.description + (", at every Matryoshka dimension" if name.startswith(MATRYOSHKA_PREFIX) else "")
+        description = spec.description + (
+            ", at every Matryoshka dimension" if name.startswith(MATRYOSHKA_PREFIX) else ""
+        )
         lines.append(f"{name:<{width}}  {spec.columns:<38}  {description}")
     return lines
 

@@ -340,7 +340,9 @@ class _BatchTripletLoss(nn.Module):
 
     loss_function: TripletLossFunction
 
-    def __init__(self, model: nn.Module, distance_metric: DistanceMetric = UPSTREAM_EUCLIDEAN, margin: float = 5) -> None:
+    def __init__(
+        self, model: nn.Module, distance_metric: DistanceMetric = UPSTREAM_EUCLIDEAN, margin: float = 5
+    ) -> None:
         super().__init__()
         self.model = model
         self.distance_metric = distance_metric

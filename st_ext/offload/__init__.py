@@ -16,6 +16,7 @@ tensors by name, and the records and reports of a release), ``guards`` (the exce
 checks that raise them), ``placement`` (moves, accelerate hooks), ``leftover_check`` (what is still
 alive and who holds it), ``releasing`` (:func:`release`) and ``precompute``.
 """
+
 from __future__ import annotations
 
 from st_ext.offload.guards import (

@@ -66,7 +66,9 @@ def refuse_if_trainable(
     if requiring_grad:
         reasons.append(f"{len(requiring_grad)} parameters require grad (e.g. {first_names(requiring_grad)})")
     if in_optimizer:
-        reasons.append(f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {first_names(in_optimizer)})")
+        reasons.append(
+            f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {first_names(in_optimizer)})"
+        )
     raise TrainableModuleError(
         f"Refusing to {action} {describe_module(module)}: it is being trained: {'; '.join(reasons)}. "
         "A frozen encoder (guide, teacher) does not need gradients: freeze it with "

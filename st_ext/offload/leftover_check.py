@@ -325,7 +325,10 @@ def _default_argument_step(defaults: tuple | dict, child: Any) -> tuple[str, Any
             code = function.__code__
             names = code.co_varnames[: code.co_argcount]
             index = next(index for index, value in enumerate(defaults) if value is child)
-            return f"default argument {names[len(names) - len(defaults) + index]!r} of {function.__qualname__}()", function
+            return (
+                f"default argument {names[len(names) - len(defaults) + index]!r} of {function.__qualname__}()",
+                function,
+            )
         if function.__kwdefaults__ is defaults:
             name = next(key for key, value in defaults.items() if value is child)
             return f"default argument {name!r} of {function.__qualname__}()", function

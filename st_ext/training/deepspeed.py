@@ -43,7 +43,9 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
     for module in cached:
         if not _from_st_ext(module):
             name = type(module).__name__
-            instead = f"use st_ext.losses.{name}" if name in _st_ext_loss_names() else "st_ext has no replacement for it"
+            instead = (
+                f"use st_ext.losses.{name}" if name in _st_ext_loss_names() else "st_ext has no replacement for it"
+            )
             raise ValueError(
                 f"sentence-transformers' {name} cannot train under DeepSpeed (its loss has no grad_fn for "
                 f"engine.backward, and from ZeRO stage 2 each mini-batch reduces again); {instead}."

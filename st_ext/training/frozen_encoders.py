@@ -94,7 +94,9 @@ def holders_and_their_datasets(loss: Any, train_dataset: Any, eval_dataset: Any)
         return [(holder, datasets) for holder in frozen_encoder_losses(loss)]
     routed: dict[int, tuple[nn.Module, list]] = {}
     for key, item in loss.items():
-        seen = [dataset for dataset in (_routed(train_dataset, key), _routed(eval_dataset, key)) if dataset is not None]
+        seen = [
+            dataset for dataset in (_routed(train_dataset, key), _routed(eval_dataset, key)) if dataset is not None
+        ]
         for holder in frozen_encoder_losses(item):
             routed.setdefault(id(holder), (holder, []))[1].extend(seen)
     return list(routed.values())
