@@ -57,14 +57,19 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
     """``own`` with upstream's positional parameters first, in upstream's order, and everything
     else keyword-only, in ``own``'s order.
 
-    Raises TypeError at import when st_ext lacks one of upstream's parameters: a positional call
-    would otherwise bind its later arguments to the wrong names.
+    Where ``own`` takes ``**upstream_arguments``, upstream's parameters it does not declare are taken
+    as upstream declares them (the installed release's defaults too). Otherwise raises TypeError at
+    import when st_ext lacks one of upstream's parameters: a positional call would bind its later
+    arguments to the wrong names.
     """
-    own_parameters = dict(own.parameters)
+    own_parameters = {
+        name: parameter for name, parameter in own.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD
+    }
+    takes_the_rest = len(own_parameters) < len(own.parameters)
     self_parameter = next(iter(own_parameters.values()))
     positional, keyword_only = [self_parameter], []
     for parameter in upstream_parameters(upstream_class):
-        if parameter.name not in own_parameters:
+        if parameter.name not in own_parameters and not takes_the_rest:
             raise TypeError(
                 f"st_ext's replacement of {upstream_class.__name__} does not take upstream's {parameter.name!r}."
             )
@@ -72,7 +77,7 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
         if parameter.kind is not kind:
             kind = inspect.Parameter.KEYWORD_ONLY
         target = positional if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else keyword_only
-        target.append(own_parameters[parameter.name].replace(kind=kind))
+        target.append(own_parameters.get(parameter.name, parameter).replace(kind=kind))
     placed = {parameter.name for parameter in positional + keyword_only}
     keyword_only += [
         parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY)
@@ -83,10 +88,12 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
 
 
 def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Callable]:
-    """Decorate an ``__init__`` so that it binds arguments exactly as ``upstream_class`` does.
+    """Decorate an ``__init__`` so that it binds arguments exactly as ``upstream_class`` does: the one
+    way st_ext's replacements take upstream's arguments.
 
-    The decorated function is called with every argument by name (defaults filled in from its
-    own definition), so it may declare its parameters in any order.
+    The decorated function is called with every argument by name (defaults filled in), so it may
+    declare its parameters in any order; with ``**upstream_arguments`` it receives there those of
+    upstream's it does not declare. Its own options that upstream lacks become keyword-only.
     """
 
     def decorate(init: Callable) -> Callable:
@@ -99,6 +106,7 @@ def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Cal
             init(**bound.arguments)
 
         __init__.__signature__ = signature
+        __init__.__doc__ = init.__doc__ or upstream_class.__init__.__doc__
         return __init__
 
     return decorate

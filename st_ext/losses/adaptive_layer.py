@@ -28,9 +28,8 @@ that does not cache, upstream's forward runs; ``Matryoshka2dLoss`` builds st_ext
 
 from __future__ import annotations
 
-import inspect
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
-from st_ext.losses._signatures import named_like_upstream, upstream_parameters
+from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
@@ -154,21 +153,6 @@ class LayerwiseGradCache:
         return gradcache_forward(over_layers(as_cached_loss(self.loss), self), sentence_features, labels)
 
 
-def _bound_arguments(upstream_class: type, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The constructor arguments by name, bound as the installed ``upstream_class`` binds them."""
-    signature = inspect.Signature(upstream_parameters(upstream_class))
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def _with_upstream_signature(init: Callable, upstream_class: type) -> Callable:
-    signature = inspect.signature(upstream_class.__init__)
-    init.__signature__ = signature
-    init.__doc__ = upstream_class.__init__.__doc__
-    return init
-
-
 _ST_EXT_NOTE = (
     "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
     "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
@@ -183,30 +167,23 @@ class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
         _upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or ""
     ) + _ST_EXT_NOTE
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        arguments = _bound_arguments(_upstream.AdaptiveLayerLoss, args, kwargs)
-        self._set_up(arguments.pop("model"), arguments.pop("loss"), arguments)
-
-    __init__ = _with_upstream_signature(__init__, _upstream.AdaptiveLayerLoss)
+    @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
+    def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
+        self._set_up(model, loss, upstream_arguments)
 
 
 @named_like_upstream(_upstream.Matryoshka2dLoss)
 class Matryoshka2dLoss(LayerwiseGradCache, _upstream.Matryoshka2dLoss):
     __doc__ = (_upstream.Matryoshka2dLoss.__doc__ or _upstream.Matryoshka2dLoss.__init__.__doc__ or "") + _ST_EXT_NOTE
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        arguments = _bound_arguments(_upstream.Matryoshka2dLoss, args, kwargs)
-        model, loss = arguments.pop("model"), arguments.pop("loss")
-        matryoshka = MatryoshkaLoss(
-            model,
-            loss,
-            arguments.pop("matryoshka_dims"),
-            arguments.pop("matryoshka_weights"),
-            arguments.pop("n_dims_per_step"),
-        )
-        self._set_up(model, matryoshka, arguments)
+    @follows_upstream_signature(_upstream.Matryoshka2dLoss)
+    def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
+        dimensions = {name: upstream_arguments.pop(name) for name in MATRYOSHKA_ARGUMENTS}
+        self._set_up(model, MatryoshkaLoss(model, loss, **dimensions), upstream_arguments)
 
-    __init__ = _with_upstream_signature(__init__, _upstream.Matryoshka2dLoss)
+
+#: What ``Matryoshka2dLoss`` passes on to the ``MatryoshkaLoss`` it builds.
+MATRYOSHKA_ARGUMENTS = ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step")
 
 
 def _refuse_wrapping(loss: nn.Module) -> None:

@@ -15,7 +15,6 @@ A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...:
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
-from st_ext.losses._signatures import named_like_upstream, upstream_parameters
+from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, auto_state
 from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described, register_cached_loss
 from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
@@ -40,13 +39,24 @@ _PLACEHOLDER_SIZE = 32
 class CachedRankingLoss:
     """What both classes add to their upstream base: the auto mode and st_ext's forward pass.
 
-    ``st_ext_upstream_class`` is the upstream class the generated class derives from: a subclass that
-    overrides one of its engine's hooks runs its forward, the one that calls them.
+    ``st_ext_upstream_class`` is the upstream class the class derives from: a subclass that overrides
+    one of its engine's hooks runs its forward, the one that calls them.
     """
 
     st_ext_upstream_class: type
 
-    def _set_up_mini_batching(self, memory_budget_mb: float | None) -> None:
+    def _set_up(self, memory_budget_mb: float | None, upstream_arguments: dict[str, Any]) -> None:
+        """Upstream's constructor (and its deprecation warning, where it has one), then the auto mode."""
+        upstream_class = self.st_ext_upstream_class
+        if getattr(upstream_class, "__deprecated__", None):
+            # The user's call: this frame, the class's __init__ and its argument binder are st_ext's.
+            warnings.warn(upstream_class.__deprecated__, DeprecationWarning, stacklevel=4)
+        auto = upstream_arguments["mini_batch_size"] == AUTO
+        if auto:
+            upstream_arguments = {**upstream_arguments, "mini_batch_size": _PLACEHOLDER_SIZE}
+        upstream_class.__init__(self, **upstream_arguments)
+        if auto:
+            self.mini_batch_size = AUTO
         validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
         self.auto_mini_batch = auto_state(
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
@@ -100,57 +110,37 @@ def _chunking_by(loss: nn.Module, mini_batch_size: int) -> Iterator[None]:
         loss.mini_batch_size = AUTO
 
 
-def _subclass(upstream_class: type) -> type:
-    """``upstream_class`` with :class:`CachedRankingLoss` mixed in and upstream's constructor signature
-    (read from the installed release) plus the keyword-only ``memory_budget_mb``."""
-    parameters = upstream_parameters(upstream_class)
-    signature = inspect.Signature(
-        [
-            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *parameters,
-            inspect.Parameter("memory_budget_mb", inspect.Parameter.KEYWORD_ONLY, default=None),
-        ]
+def _documented(upstream_class: type) -> str:
+    return (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "") + (
+        '\n\n    st_ext: runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the '
+        "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n"
     )
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if getattr(upstream_class, "__deprecated__", None):  # upstream's deprecation, at the same call
-            warnings.warn(upstream_class.__deprecated__, DeprecationWarning, stacklevel=2)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop("self")
-        memory_budget_mb = arguments.pop("memory_budget_mb")
-        auto = arguments["mini_batch_size"] == AUTO
-        if auto:
-            arguments["mini_batch_size"] = _PLACEHOLDER_SIZE
-        upstream_class.__init__(self, **arguments)
-        if auto:
-            self.mini_batch_size = AUTO
-        self._set_up_mini_batching(memory_budget_mb)
 
-    __init__.__signature__ = signature
-    __init__.__doc__ = upstream_class.__init__.__doc__
-    namespace = {
-        "__init__": __init__,
-        "__doc__": (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "")
-        + '\n\n    st_ext: runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the '
-        "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n",
-        "__module__": __name__,
-        "__qualname__": upstream_class.__name__,
-        "st_ext_upstream_class": upstream_class,
-    }
-    with warnings.catch_warnings():
-        # A class upstream deprecates warns when subclassed too: at st_ext's import, not the user's use.
-        # Constructing st_ext's class warns instead, as constructing upstream's does.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cls = type(upstream_class.__name__, (CachedRankingLoss, upstream_class), namespace)
-    return named_like_upstream(upstream_class)(cls)
+with warnings.catch_warnings():
+    # A class upstream deprecates warns when subclassed too: at st_ext's import, not the user's use.
+    # Constructing st_ext's class warns instead, as constructing upstream's does.
+    warnings.simplefilter("ignore", DeprecationWarning)
 
+    @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss)
+    class CachedMultipleNegativesRankingLoss(CachedRankingLoss, _upstream.CachedMultipleNegativesRankingLoss):
+        __doc__ = _documented(_upstream.CachedMultipleNegativesRankingLoss)
+        st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
-CachedMultipleNegativesRankingLoss: type[nn.Module] = _subclass(_upstream.CachedMultipleNegativesRankingLoss)
-CachedMultipleNegativesSymmetricRankingLoss: type[nn.Module] = _subclass(
-    _upstream.CachedMultipleNegativesSymmetricRankingLoss
-)
+        @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
+        def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
+            self._set_up(memory_budget_mb, upstream_arguments)
+
+    @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+    class CachedMultipleNegativesSymmetricRankingLoss(
+        CachedRankingLoss, _upstream.CachedMultipleNegativesSymmetricRankingLoss
+    ):
+        __doc__ = _documented(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+        st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
+
+        @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+        def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
+            self._set_up(memory_budget_mb, upstream_arguments)
 
 
 def _register_upstream_losses() -> None:
