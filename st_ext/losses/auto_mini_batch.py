@@ -55,7 +55,7 @@ PENDING_BYTES_PER_PARAMETER = 12
 
 
 @dataclass
-class MiniBatchChoice:
+class AutoChoice:
     """What the auto mode chose, and what it measured (peaks in bytes, estimates included)."""
 
     size: int
@@ -101,7 +101,7 @@ class AutoMiniBatch:
         ):
             raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {memory_budget_mb!r}.")
         self.memory_budget_mb = memory_budget_mb
-        self.choice: MiniBatchChoice | None = None
+        self.choice: AutoChoice | None = None
         #: The optimizer whose update the budget must also hold (set by st_ext's trainers), or None.
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -139,10 +139,10 @@ class AutoMiniBatch:
         layouts: Sequence[ColumnLayout],
         rows: int,
         longest: int,
-    ) -> MiniBatchChoice:
+    ) -> AutoChoice:
         device = _device_of(sentence_features)
         budget = self.budget_bytes(model, device)
-        choice = MiniBatchChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
+        choice = AutoChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
         if budget is None:
             return choice
         update = optimizer_step_bytes(self.optimizer) if self.optimizer is not None else 0
@@ -391,7 +391,7 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 @dataclass(frozen=True)
-class MiniBatching:
+class Sizing:
     """How this batch is embedded: rows (or tokens) per mini-batch, and whether the graph passes checkpoint."""
 
     size: int
@@ -399,13 +399,11 @@ class MiniBatching:
     checkpointing: bool = False
 
 
-def resolve_mini_batching(
-    loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
-) -> MiniBatching:
-    """This batch's :class:`MiniBatching` for a :class:`~st_ext.losses.cached_loss.CachedLoss`, ``"auto"``
+def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> Sizing:
+    """This batch's :class:`Sizing` for a :class:`~st_ext.losses.cached_loss.CachedLoss`, ``"auto"``
     resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
     if loss.mini_batch_size != AUTO:
-        return MiniBatching(loss.mini_batch_size, loss.mini_batch_num_tokens)
+        return Sizing(loss.mini_batch_size, loss.mini_batch_num_tokens)
     if parameters_sharded(loss.model):
         raise ValueError(
             f"{loss.name}: mini_batch_size='auto' measures each rank on its own, which a model whose "
@@ -413,10 +411,10 @@ def resolve_mini_batching(
             "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
         )
     size = loss.auto.size_for(loss.model, sentence_features, layouts)
-    return MiniBatching(size, None, loss.auto.choice.checkpointing)
+    return Sizing(size, None, loss.auto.choice.checkpointing)
 
 
-def auto_state(
+def make_auto_mini_batch(
     mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
 ) -> AutoMiniBatch | None:
     """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``)."""

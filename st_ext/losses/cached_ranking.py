@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
-from st_ext.losses.auto_mini_batch import AUTO, auto_state
+from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
 from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described, register_cached_loss
 from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
 from st_ext.losses.overrides import upstream_hook_overrides
@@ -36,7 +36,7 @@ _upstream = st_losses()
 _PLACEHOLDER_SIZE = 32
 
 
-class CachedRankingLoss:
+class CachedRankingMixin:
     """What both classes add to their upstream base: the auto mode and st_ext's forward pass.
 
     ``st_ext_upstream_class`` is the upstream class the class derives from: a subclass that overrides
@@ -58,7 +58,7 @@ class CachedRankingLoss:
         if auto:
             self.mini_batch_size = AUTO
         validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
-        self.auto_mini_batch = auto_state(
+        self.auto_mini_batch = make_auto_mini_batch(
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
         self.memory_budget_mb = memory_budget_mb
@@ -123,7 +123,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
 
     @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss)
-    class CachedMultipleNegativesRankingLoss(CachedRankingLoss, _upstream.CachedMultipleNegativesRankingLoss):
+    class CachedMultipleNegativesRankingLoss(CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss):
         __doc__ = _documented(_upstream.CachedMultipleNegativesRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
@@ -133,7 +133,7 @@ with warnings.catch_warnings():
 
     @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
     class CachedMultipleNegativesSymmetricRankingLoss(
-        CachedRankingLoss, _upstream.CachedMultipleNegativesSymmetricRankingLoss
+        CachedRankingMixin, _upstream.CachedMultipleNegativesSymmetricRankingLoss
     ):
         __doc__ = _documented(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss

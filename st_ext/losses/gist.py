@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from st_ext import offload
 from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
-from st_ext.losses.auto_mini_batch import auto_state
+from st_ext.losses.auto_mini_batch import make_auto_mini_batch
 from st_ext.losses.cached_loss import CachedLoss, LossStep, described, register_cached_loss
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
@@ -490,7 +490,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         super().__init__()
         _refuse_static_embedding(model)
         validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
-        self.auto_mini_batch = auto_state(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
+        self.auto_mini_batch = make_auto_mini_batch(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
         self.memory_budget_mb = memory_budget_mb
         self._set_up(
             model,
