@@ -25,7 +25,7 @@ def test_the_library_imports_nothing_of_the_cli_extra():
         f"print(sorted(m for m in {sorted(CLI_EXTRA_MODULES)!r} if m in sys.modules))\n"
     )
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.strip() == "[]"
+    assert probe.stdout.strip().splitlines()[-1] == "[]"  # the last line: DeepSpeed may print on import
 
 
 def test_the_cli_without_its_extra_names_the_extra():

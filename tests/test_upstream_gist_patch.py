@@ -262,9 +262,15 @@ def test_gist_patch_applies_after_the_others_and_alone(patched_tree: Path, tmp_p
     # On its own: it touches no file of the patches before it.
     root = unpack_sdist(sdist_path(PACKAGE, INSTALLED), tmp_path)
     apply_patch(root, patch)
-    # Made against the sdist's CRLF files: every context and added line of the diff ends in CRLF.
-    diff = patch.read_bytes().split(b"\ndiff --git ", 1)[1]
-    code_lines = [line for line in diff.split(b"\n") if line[:1] in (b" ", b"+") and not line.startswith(b"+++")]
+    # Made against the sdist's CRLF files: every context and added line of their diffs ends in CRLF (the test
+    # file it adds is new, and LF as in upstream's repository).
+    changed = [part for part in patch.read_bytes().split(b"\ndiff --git ")[1:] if b"\nnew file mode" not in part]
+    code_lines = [
+        line
+        for part in changed
+        for line in part.split(b"\n")
+        if line[:1] in (b" ", b"+") and not line.startswith(b"+++")
+    ]
     assert code_lines and all(line.endswith(b"\r") for line in code_lines)
 
 
