@@ -18,7 +18,7 @@ ENVS := st6 st4 st5
 # The environments `make test` runs, each pinned by $(LOCK)/<env>.txt.
 TESTED_ENVS := st6 st4
 
-.PHONY: demo test lint lock test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
+.PHONY: demo test lint lock patches-check test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
 
 # torch goes first, pinned: with it installed nothing below pulls a multi-GB CUDA build.
 .SECONDEXPANSION:
@@ -49,6 +49,21 @@ test:
 lint: $(VENV)/st6/.ready
 	$(VENV)/st6/bin/ruff check --no-fix .
 	$(VENV)/st6/bin/ruff format --check .
+
+# By hand: every series in patches/ on its released sdist with upstream's tests, docs and linters; prints a table
+# and writes runs/patches-check.md. Needs the network once (sdists, and a clone of each repository unless
+# ST_REPO / PML_REPO name a local one).
+ST_REPO ?= https://github.com/huggingface/sentence-transformers
+PML_REPO ?= https://github.com/KevinMusgrave/pytorch-metric-learning
+
+$(VENV)/patches-check/.ready: requirements/patches-check.txt
+	rm -rf $(VENV)/patches-check
+	$(PYTHON) -m venv $(VENV)/patches-check
+	$(VENV)/patches-check/bin/pip install -q -r requirements/patches-check.txt
+	touch $@
+
+patches-check: $(VENV)/st6/.ready $(VENV)/st4/.ready $(VENV)/patches-check/.ready
+	$(VENV)/patches-check/bin/python tools/patches_check.py --st-repo $(ST_REPO) --pml-repo $(PML_REPO)
 
 lock:
 	tools/lock.sh $(PYTHON) $(TORCH) "$(TORCH_INDEX_ARGS)" $(TESTED_ENVS)
