@@ -289,6 +289,12 @@ def unwrapped_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def loss_model(loss: nn.Module) -> nn.Module | None:
+    """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
+    model = getattr(loss, "model", None)
+    return getattr(loss, "sentence_embedder", None) if model is None else model
+
+
 def compiled_module(model: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (its private ``_orig_mod``), however often; else ``model``."""
     while isinstance(getattr(model, "_orig_mod", None), nn.Module):

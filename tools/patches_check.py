@@ -77,6 +77,7 @@ SERIES = [
         ROOT / ".venv/st6/bin/python",
         "black",
         "pml_repo",
+        overlay=("tests", "docs", ".flake8"),
         environment={"TEST_DEVICE": "cpu", "TEST_DTYPES": "float32,float64"},
     ),
 ]
@@ -210,24 +211,40 @@ def count(outcomes: dict[str, str]) -> str:
     return f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
 
 
-def lint(series: Series, tree: Path, files: list[str]) -> str:
+def lint_findings(series: Series, tree: Path, files: list[str]) -> dict[str, int]:
+    """Upstream's linters on ``files`` as they are in the tree: findings per linter (lines it reports)."""
     python_files = [file for file in files if file.endswith(".py") and (tree / file).exists()]
     if not python_files:
-        return "no Python file"
+        return {}
     tools = Path(sys.executable).parent
     if series.lint == "ruff":
-        commands = [
-            [str(tools / "ruff"), "check", "--no-fix", *python_files],
-            [str(tools / "ruff"), "format", "--check", *python_files],
-        ]
+        commands = {
+            "ruff check": [str(tools / "ruff"), "check", "--no-fix", "--output-format", "concise", *python_files],
+            "ruff format": [str(tools / "ruff"), "format", "--check", *python_files],
+        }
     else:
-        commands = [
-            [str(tools / "black"), "--check", *python_files],
-            [str(tools / "isort"), "--profile", "black", "--check-only", *python_files],
-            [str(tools / "flake8"), *python_files],
-        ]
-    failing = [Path(command[0]).name for command in commands if run(command, tree, check=False).returncode != 0]
-    return "clean" if not failing else "fails: " + ", ".join(failing)
+        commands = {
+            "black": [str(tools / "black"), "--check", *python_files],
+            "isort": [str(tools / "isort"), "--profile", "black", "--check-only", *python_files],
+            "flake8": [str(tools / "flake8"), *python_files],
+        }
+    findings = {}
+    for name, command in commands.items():
+        result = run(command, tree, check=False)
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if re.search(r"\.py\b", line)]
+        findings[name] = len(lines) if result.returncode else 0
+    return findings
+
+
+def lint_cell(before: dict[str, int], after: dict[str, int]) -> str:
+    """ "clean", or the findings after against those the same files had before the patch."""
+    if not after:
+        return "no Python file"
+    if not any(after.values()):
+        return "clean"
+    new = {name: count for name, count in after.items() if count > before.get(name, 0)}
+    shown = ", ".join(f"{name} {before.get(name, 0)} → {count}" for name, count in after.items() if count)
+    return ("new findings: " if new else "no new findings (") + shown + ("" if new else ", as released)")
 
 
 def check_series(series: Series, repository: str | None) -> list[list[str]]:
@@ -247,6 +264,7 @@ def check_series(series: Series, repository: str | None) -> list[list[str]]:
         before = pytest_outcomes(series, tree, own, f"{patch.stem}-before")
         run(["git", "checkout", "-q", "--", "."], tree)
         run(["git", "clean", "-qfd"], tree)
+        lint_before = lint_findings(series, tree, files)
         applied = run(["git", "am", "--keep-cr", "-q", str(patch)], tree, check=False)
         if applied.returncode != 0:
             run(["git", "am", "--abort"], tree, check=False)
@@ -265,7 +283,8 @@ def check_series(series: Series, repository: str | None) -> list[list[str]]:
             upstream_cell = f"{count(old)} → {count(new)}" + (
                 f"; newly failing: {', '.join(broken)}" if broken else ""
             )
-        rows.append([series.name, patch.name[:4], "yes", own_cell, upstream_cell, lint(series, tree, files)])
+        lint_after = lint_findings(series, tree, files)
+        rows.append([series.name, patch.name[:4], "yes", own_cell, upstream_cell, lint_cell(lint_before, lint_after)])
     print(f"{series.name}: upstream tests and docs from {source}", file=sys.stderr)
     return rows
 

@@ -35,7 +35,7 @@ _upstream_losses = _st_losses()
 _UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startswith("_")]
 globals().update({name: getattr(_upstream_losses, name) for name in _UPSTREAM_NAMES})
 
-from st_ext.losses.adaptive_layer import AdaptiveLayerLoss, Matryoshka2dLoss  # noqa: E402
+from st_ext.losses.adaptive_layer import AdaptiveLayerLoss  # noqa: E402
 from st_ext.losses.cached_ranking import (  # noqa: E402
     CachedMultipleNegativesRankingLoss,
     CachedMultipleNegativesSymmetricRankingLoss,
@@ -44,6 +44,7 @@ from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatc
 from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
 from st_ext.losses.matryoshka import MatryoshkaLoss  # noqa: E402
+from st_ext.losses.matryoshka_2d import Matryoshka2dLoss  # noqa: E402
 from st_ext.losses.registry import build_loss, known_losses  # noqa: E402
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss  # noqa: E402
 

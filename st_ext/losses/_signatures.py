@@ -32,6 +32,9 @@ from typing import Any
 
 from torch import nn
 
+#: Stands in for a cached loss while upstream's constructor of a wrapper runs its checks, so that it never sees,
+#: warns about or decorates the cached loss itself.
+PLACEHOLDER_LOSS = nn.Module
 #: Constructor arguments that upstream's model cards never list.
 NOT_IN_CARD = ("self", "model", "show_progress_bar")
 #: The attributes through which the model card reads a loss.

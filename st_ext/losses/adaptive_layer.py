@@ -1,4 +1,4 @@
-"""Layer-wise GradCache: ``AdaptiveLayerLoss`` and ``Matryoshka2dLoss`` over cached losses.
+"""Layer-wise GradCache: ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``, :mod:`.matryoshka_2d`) over cached losses.
 
 Upstream's layer wrappers run the wrapped loss once per sampled layer on the hidden states of one
 forward pass with a graph, so their memory grows with the batch; over a cached loss they warn and
@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
-from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
+from st_ext.losses._signatures import PLACEHOLDER_LOSS, follows_upstream_signature, named_like_upstream
 from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
-from st_ext.losses.matryoshka import PLACEHOLDER_LOSS, MatryoshkaLoss
 
 _upstream = st_losses()
 
@@ -60,7 +59,7 @@ class LayerStep:
     """What one forward pass of a layer-wise loss draws, and its loss over the cached embeddings.
 
     ``choose`` is called by :class:`~st_ext.losses.layer_embeddings.LayerEmbeddings` on the first
-    forward pass; ``loss_from_layers`` is the ``loss_fn`` for :func:`gradcache_forward` and receives
+    forward pass; ``loss_from_layers`` is the loss over embeddings its ``LossStep`` draws, and receives
     ``[final layer's reps, first sampled layer's reps, …]``.
     """
 
@@ -153,7 +152,7 @@ class LayerwiseGradCache:
         return gradcache_forward(over_layers(as_cached_loss(self.loss), self), sentence_features, labels)
 
 
-_ST_EXT_NOTE = (
+LAYERWISE_NOTE = (
     "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
     "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
     "cached ranking loss, or st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
@@ -165,25 +164,11 @@ _ST_EXT_NOTE = (
 class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
     __doc__ = (
         _upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or ""
-    ) + _ST_EXT_NOTE
+    ) + LAYERWISE_NOTE
 
     @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
     def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
         self._set_up(model, loss, upstream_arguments)
-
-
-@named_like_upstream(_upstream.Matryoshka2dLoss)
-class Matryoshka2dLoss(LayerwiseGradCache, _upstream.Matryoshka2dLoss):
-    __doc__ = (_upstream.Matryoshka2dLoss.__doc__ or _upstream.Matryoshka2dLoss.__init__.__doc__ or "") + _ST_EXT_NOTE
-
-    @follows_upstream_signature(_upstream.Matryoshka2dLoss)
-    def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
-        dimensions = {name: upstream_arguments.pop(name) for name in MATRYOSHKA_ARGUMENTS}
-        self._set_up(model, MatryoshkaLoss(model, loss, **dimensions), upstream_arguments)
-
-
-#: What ``Matryoshka2dLoss`` passes on to the ``MatryoshkaLoss`` it builds.
-MATRYOSHKA_ARGUMENTS = ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step")
 
 
 def _refuse_wrapping(loss: nn.Module) -> None:
@@ -197,5 +182,4 @@ def _refuse_wrapping(loss: nn.Module) -> None:
         )
 
 
-register_cached_loss(AdaptiveLayerLoss, _refuse_wrapping)
-register_cached_loss(Matryoshka2dLoss, _refuse_wrapping)
+register_cached_loss(LayerwiseGradCache, _refuse_wrapping)

@@ -25,12 +25,14 @@ labels, *, with_backward)``) is described by :func:`from_protocol`; the engine a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
 
+from st_ext.losses.auto_mini_batch import AUTO
 from st_ext.losses.features import Features, Ranges
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -145,21 +147,34 @@ def described(loss: Any, start: Callable[[list[Features], int], LossStep], froze
 
 def from_protocol(loss: Any) -> CachedLoss:
     """A loss that provides ``loss_from_embeddings`` and ``frozen_embeddings`` (the protocol in the
-    module docstring), described. Its loss over embeddings chunks by its own ``mini_batch_size``."""
+    module docstring), described. Its loss over embeddings reads the resolved ``mini_batch_size``."""
 
     def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        return LossStep(lambda layer: _dropping_map(loss.loss_from_embeddings))
+        def loss_fn(
+            reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
+        ):
+            # The protocol's loss holds no embeddings of its own for a wrapper's map to apply to.
+            with reading_mini_batch_size(loss, mini_batch_size):
+                return loss.loss_from_embeddings(reps, frozen, labels, with_backward=with_backward)
+
+        return LossStep(lambda layer: loss_fn)
 
     return described(loss, start, loss.frozen_embeddings)
 
 
-def _dropping_map(loss_fn: Callable[..., Tensor]) -> LossFn:
-    """``loss_fn`` of the protocol, which holds no embeddings of its own that a map would apply to."""
-
-    def call(reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None):
-        return loss_fn(reps, frozen, labels, with_backward=with_backward)
-
-    return call
+@contextmanager
+def reading_mini_batch_size(loss: Any, mini_batch_size: int) -> Iterator[None]:
+    """For a loss over embeddings that scores its anchors ``self.mini_batch_size`` at a time (upstream's
+    ``calculate_loss``, the older protocol): where that reads ``"auto"``, it reads the size resolved for this
+    batch during the block, and ``"auto"`` again after it. The one place a loss's setting is written."""
+    if loss.mini_batch_size != AUTO:
+        yield
+        return
+    loss.mini_batch_size = mini_batch_size
+    try:
+        yield
+    finally:
+        loss.mini_batch_size = AUTO
 
 
 def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossStep]) -> CachedLoss:
@@ -171,9 +186,3 @@ def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossSt
         return loss_for(inner_start(sentence_features, mini_batch_size), sentence_features, mini_batch_size)
 
     return replace(description, name=name, start=start)
-
-
-def wrapped_model(loss: nn.Module) -> nn.Module | None:
-    """The model a loss embeds with (upstream's triplet losses call it ``sentence_embedder``)."""
-    model = getattr(loss, "model", None)
-    return getattr(loss, "sentence_embedder", None) if model is None else model

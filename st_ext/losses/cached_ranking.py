@@ -16,8 +16,7 @@ A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -26,7 +25,14 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described, register_cached_loss
+from st_ext.losses.cached_loss import (
+    CachedLoss,
+    LossStep,
+    Reps,
+    described,
+    reading_mini_batch_size,
+    register_cached_loss,
+)
 from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -88,26 +94,12 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
     def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
         def loss_fn(reps: Reps, frozen, labels, *, with_backward: bool, embedding_map=None) -> Tensor:
             calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
-            with _chunking_by(loss, mini_batch_size):
+            with reading_mini_batch_size(loss, mini_batch_size):
                 return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
 
         return LossStep(lambda layer: loss_fn)
 
     return described(loss, start)
-
-
-@contextmanager
-def _chunking_by(loss: nn.Module, mini_batch_size: int) -> Iterator[None]:
-    """Upstream's ``calculate_loss`` scores its anchors ``self.mini_batch_size`` at a time. Where that reads
-    ``"auto"`` (st_ext's classes only), it reads the size resolved for this batch during the call."""
-    if loss.mini_batch_size != AUTO:
-        yield
-        return
-    loss.mini_batch_size = mini_batch_size
-    try:
-        yield
-    finally:
-        loss.mini_batch_size = AUTO
 
 
 def _documented(upstream_class: type) -> str:

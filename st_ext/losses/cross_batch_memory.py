@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from st_ext._compat import is_gradient_caching, st_losses
+from st_ext._compat import is_gradient_caching, loss_model, st_losses
 from st_ext.losses.cached_loss import (
     CachedLoss,
     LossFn,
@@ -61,7 +61,6 @@ from st_ext.losses.cached_loss import (
     as_cached_loss,
     register_cached_loss,
     with_loss,
-    wrapped_model,
 )
 from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
 from st_ext.losses.gradcache import (
@@ -338,7 +337,13 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
     embeddings ranks against the queue of its layer (the model's output, or a layer a layer-wise loss
     draws), and once the step's loss is computed each layer's documents join that layer's queue. The
     documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the gradients
-    were computed for. Read and written on training steps only."""
+    were computed for. Read and written on training steps only.
+
+    Under a layer-wise loss each layer ranks against its own queue of that layer's embeddings: one queue for
+    all layers would put final-layer embeddings among an earlier layer's candidates, another embedding space.
+    A layer's queue grows only on steps that sample it (with ``n_layers_per_step=1`` of L layers, about L times
+    more slowly than the final one, so its rows are older), and every queue holds up to ``memory_size`` rows:
+    (sampled layers + 1) × ``memory_size`` embeddings in all."""
 
     def queued(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
         batch = ranking_batch(memory.loss, sentence_features, memory.mask_own_positive)
@@ -467,7 +472,7 @@ class CrossBatchMemoryLoss(nn.Module):
         super().__init__()
         validate_memory_size(memory_size)
         self.kind = memory_kind(loss)
-        if wrapped_model(loss) is not model:
+        if loss_model(loss) is not model:
             raise ValueError(
                 f"The wrapped {type(loss).__name__} was built for another model; build it with the model passed "
                 "to CrossBatchMemoryLoss."
@@ -503,7 +508,12 @@ class CrossBatchMemoryLoss(nn.Module):
         loss has one: a wrapper around any other would call it once per dimension or layer, and each
         call would enqueue its embeddings into the one queue."""
         if self.kind == "ranking" and self.uses_gradient_cache:
-            return with_queue(self, as_cached_loss(self.loss))
+            inner = as_cached_loss(self.loss)
+            if inner is None:
+                raise TypeError(
+                    f"{type(self.loss).__name__} has no cached-loss description; see st_ext.losses.cached_loss."
+                )
+            return with_queue(self, inner)
         raise TypeError(
             f"Wrappers take a CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (st_ext then gives "
             f"each layer its own queue and truncates the queue with the batch), not over {type(self.loss).__name__}: "
@@ -703,4 +713,4 @@ def restore_memories_for_resume(
     return load_memories(trainer.loss, resume_from_checkpoint, allow_empty=allow_empty)
 
 
-register_cached_loss(CrossBatchMemoryLoss, CrossBatchMemoryLoss.cached_loss)
+register_cached_loss(CrossBatchMemoryLoss, lambda loss: loss.cached_loss())

@@ -692,5 +692,5 @@ def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
     return described(loss, start, frozen)
 
 
-register_cached_loss(CachedGISTEmbedLoss, CachedGISTEmbedLoss.cached_loss)
+register_cached_loss(CachedGISTEmbedLoss, lambda loss: loss.cached_loss())
 register_cached_loss(_upstream.CachedGISTEmbedLoss, upstream_cached_gist)

@@ -46,6 +46,7 @@ from st_ext.losses.cached_loss import (  # noqa: F401  (re-exported: the seam's 
     LossFn,
     LossStep,
     Reps,
+    as_cached_loss,
     from_protocol,
     sentence_embedding,
 )
@@ -271,15 +272,18 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
     """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3); or, when one
     mini-batch holds the whole batch, the plain loss with its graph.
 
-    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, or an object with the older protocol
+    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, a loss registered for one
+    (:func:`~st_ext.losses.cached_loss.as_cached_loss`), or an object with the older protocol
     (:func:`~st_ext.losses.cached_loss.from_protocol`).
     """
-    loss = loss if isinstance(loss, CachedLoss) else from_protocol(loss)
+    if not isinstance(loss, CachedLoss):
+        loss = as_cached_loss(loss) or from_protocol(loss)
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
     plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
-    # Before any forward pass: the loss and the frozen encoders read the features before a module edits them.
+    # Before the passes that embed the features (the auto mode's probes embed copies): the loss and the frozen
+    # encoders read them before a module edits them in place.
     step = loss.start(sentence_features, batching.size)
     frozen = loss.frozen(sentence_features, plan.column_ranges())
     loss_fn = step.draw(None)
@@ -361,10 +365,12 @@ def weighted_term(
     their gradient is carried on into ``reps`` (into ``.grad`` of a leaf, or through the graph that
     made ``reps``, e.g. a truncation); the value comes back detached.
     """
+    # The map only where a wrapper made one: a registered loss's function need not take the keyword otherwise.
+    mapped = {} if embedding_map is None else {"embedding_map": embedding_map}
     if not with_backward:
-        return loss_fn(reps, frozen, labels, with_backward=False, embedding_map=embedding_map) * weight
+        return loss_fn(reps, frozen, labels, with_backward=False, **mapped) * weight
     leaves = [[rep.detach().requires_grad_() for rep in column] for column in reps]
-    value = loss_fn(leaves, frozen, labels, with_backward=True, embedding_map=embedding_map)
+    value = loss_fn(leaves, frozen, labels, with_backward=True, **mapped)
     pairs = [
         (rep, leaf.grad * weight)
         for rep_column, leaf_column in zip(reps, leaves)

@@ -35,15 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_ext._compat import st_losses
-from st_ext.losses._signatures import named_like_upstream
+from st_ext._compat import loss_model, st_losses
+from st_ext.losses._signatures import PLACEHOLDER_LOSS, named_like_upstream
 from st_ext.losses.cached_loss import (
     CachedLoss,
     LossStep,
     as_cached_loss,
     register_cached_loss,
     with_loss,
-    wrapped_model,
 )
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
@@ -121,11 +120,6 @@ def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
 
 # ---------------------------------------------------------------------------------------------
 # The losses
-
-
-#: Stands in for a cached loss while upstream's constructor runs its checks (here and in the layer-wise
-#: wrappers), so that upstream's constructor never sees, warns about or decorates the cached loss itself.
-PLACEHOLDER_LOSS = nn.Module
 
 
 @named_like_upstream(_upstream.MatryoshkaLoss)
@@ -230,7 +224,7 @@ def _check_inner_loss(model: nn.Module, loss: Any) -> None:
             f"MatryoshkaLoss wraps a loss called as loss(sentence_features, labels), such as "
             f"MultipleNegativesRankingLoss(model); got {type(loss).__name__}, which is not called that way."
         )
-    inner_model = wrapped_model(loss)
+    inner_model = loss_model(loss)
     if isinstance(inner_model, nn.Module) and inner_model is not model:
         raise ValueError(
             f"The wrapped {type(loss).__name__} was built for another model than the one MatryoshkaLoss truncates; "
@@ -259,4 +253,4 @@ def _refuse_nested_cached(loss: nn.Module) -> None:
         )
 
 
-register_cached_loss(MatryoshkaLoss, MatryoshkaLoss.cached_loss)
+register_cached_loss(MatryoshkaLoss, lambda loss: loss.cached_loss())
