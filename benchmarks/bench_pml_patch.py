@@ -1,6 +1,6 @@
 """pytorch-metric-learning's ``get_all_triplets_indices``, released 2.9.0 against patches/pytorch-metric-learning, in one run.
 
-The patch is applied to the released sdist (``.venv/sdists``, downloaded by the patch tests) in a temporary
+The patch is applied to the released sdist (``.venv/sdists``, downloaded once) in a temporary
 folder, and its module is loaded beside the installed one. For each (batch, memory) shape, 100 classes: the
 number of triplets, time (best of --repeats, released and patched interleaved) and peak tensor memory (output
 included) of each, and the ratios released / patched. The two must return the same triplets.
@@ -29,7 +29,13 @@ NUM_CLASSES = 100
 
 def patched_module(work_dir: Path):
     """``loss_and_miner_utils`` of the released sdist with the series applied (its source part)."""
-    (sdist,) = (ROOT / ".venv" / "sdists").glob("pytorch*metric*learning-2.9.0.tar.gz")
+    sdists = ROOT / ".venv" / "sdists"
+    found = list(sdists.glob("pytorch*metric*learning-2.9.0.tar.gz"))
+    if not found:  # once, as the patch tests do
+        download = ["pip", "download", "--no-binary", ":all:", "--no-deps", "pytorch-metric-learning==2.9.0"]
+        subprocess.run([sys.executable, "-m", *download, "-d", str(sdists)], check=True)
+        found = list(sdists.glob("pytorch*metric*learning-2.9.0.tar.gz"))
+    (sdist,) = found
     with tarfile.open(sdist) as archive:
         archive.extractall(work_dir, filter="data")
     tree = work_dir / "pytorch-metric-learning-2.9.0"
