@@ -553,18 +553,20 @@ def _library_progress_bars(shown: bool):
     import datasets.utils as datasets_logging
     from transformers.utils import logging as transformers_logging
 
-    was_shown = transformers_logging.is_progress_bar_enabled(), not datasets_logging.are_progress_bars_disabled()
-    if not shown:
-        transformers_logging.disable_progress_bar()
-        datasets_logging.disable_progress_bars()
+    if shown:
+        yield
+        return
+    transformers_shown = transformers_logging.is_progress_bar_enabled()
+    datasets_shown = not datasets_logging.are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    datasets_logging.disable_progress_bars()
     try:
         yield
     finally:
-        if not shown:
-            if was_shown[0]:
-                transformers_logging.enable_progress_bar()
-            if was_shown[1]:
-                datasets_logging.enable_progress_bars()
+        if transformers_shown:
+            transformers_logging.enable_progress_bar()
+        if datasets_shown:
+            datasets_logging.enable_progress_bars()
 
 
 #: Setting names without an underscore that library messages use as identifiers.

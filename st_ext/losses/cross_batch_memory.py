@@ -293,16 +293,8 @@ def uncached_ranking_step(
     """(loss value, documents to enqueue, their keys) for MNRL with the queue, in one forward pass with a graph."""
     batch = ranking_batch(loss, sentence_features, mask_own_positive)
     embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
-    memory_embeddings, memory_keys = memory_like(bank, embeddings[0])
-    value = ranking_loss(
-        [[embedding] for embedding in embeddings],
-        memory_embeddings,
-        memory_keys,
-        batch.positive_keys,
-        chunk_size=len(embeddings[0]),
-        with_backward=False,
-        **batch.settings,
-    )
+    loss_with_memory = memory_ranking_fn(bank, batch, chunk_size=len(embeddings[0]), show_progress_bar=False)
+    value = loss_with_memory([[embedding] for embedding in embeddings], None, None, with_backward=False)
     documents = torch.cat(embeddings[1:]).detach()
     return value, documents, batch.row_keys(documents.device)
 

@@ -83,6 +83,16 @@ def row_boundaries(features: Features) -> list[int]:
     return features["cu_seq_lens_q"].tolist()
 
 
+def collator_inputs(features: Features) -> dict[str, Tensor]:
+    """The integer tensors of ``features`` (the data collator's token ids, masks and lengths): what a module
+    may edit in place, as opposed to float tensors (outputs an earlier call left there, media)."""
+    return {
+        key: value
+        for key, value in features.items()
+        if isinstance(value, Tensor) and not value.is_floating_point() and not value.is_complex()
+    }
+
+
 def batch_size_of(features: Features) -> int:
     """Rows in a column's features, in either layout (the text keys first: media may count images)."""
     if is_flattened(features):

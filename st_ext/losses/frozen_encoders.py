@@ -23,6 +23,7 @@ from st_ext import offload
 from st_ext._compat import own_submodules, preprocess
 from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses import it from here)
     Features,
+    collator_inputs,
     reads_flattened,
     row_keys,
     row_token_ids,
@@ -109,11 +110,7 @@ def inputs_kept(sentence_features: Sequence[Features]) -> Iterator[None]:
     """
     swapped = []
     for features in sentence_features:
-        originals = {
-            key: value
-            for key, value in features.items()
-            if isinstance(value, Tensor) and not value.is_floating_point() and not value.is_complex()
-        }
+        originals = collator_inputs(features)
         features.update({key: value.clone() for key, value in originals.items()})
         swapped.append((features, originals))
     try:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 
 from st_ext._compat import unwrapped_model
-from st_ext.losses.features import Features
+from st_ext.losses.features import Features, collator_inputs
 
 #: Chooses the hidden-state indices to embed, given how many hidden states the model has (layers + 1).
 ChooseLayers = Callable[[int], Sequence[int]]
@@ -56,7 +56,7 @@ class LayerEmbeddings:
         transformer, tail = base[0], list(base)[1:]
         captured: dict = {}
         # What the collator made, before a module edits it in place (5.x's prompt exclusion is not idempotent).
-        inputs = {key: value.clone() for key, value in features.items() if _is_integer_tensor(value)}
+        inputs = {key: value.clone() for key, value in collator_inputs(features).items()}
         handle = transformer.register_forward_hook(lambda module, args, output: captured.update(output))
         try:
             with hidden_states_on(transformer):
@@ -88,7 +88,3 @@ class LayerEmbeddings:
                 f"The model returned {num_hidden_states} hidden states after {self.num_hidden_states} earlier in "
                 "the same step; a layer-wise loss needs the same layers in every forward pass."
             )
-
-
-def _is_integer_tensor(value: object) -> bool:
-    return isinstance(value, Tensor) and not value.is_floating_point() and not value.is_complex()
