@@ -1,6 +1,6 @@
 """pytorch-metric-learning's ``get_all_triplets_indices``, released 2.9.0 against patches/pytorch-metric-learning, in one run.
 
-The patch is applied to the released sdist (``.venv/sdists``, downloaded once) in a temporary
+The patch is applied to the released sdist (``.venv/sdists``, downloaded once, as the patch tests do) in a temporary
 folder, and its module is loaded beside the installed one. For each (batch, memory) shape, 100 classes: the
 number of triplets, time (best of --repeats, released and patched interleaved) and peak tensor memory (output
 included) of each, and the ratios released / patched. The two must return the same triplets.
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -23,24 +21,17 @@ from bench_mining import best_times, machine_name, peak_bytes
 from pytorch_metric_learning.utils import loss_and_miner_utils as released
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from _upstream_source import patch_files, patched_source  # noqa: E402  (the patch tests' sdist cache)
+
+PACKAGE, VERSION = "pytorch-metric-learning", "2.9.0"
 SHAPES = [(21, 10000), (512, 2000), (1000, 1000)]
 NUM_CLASSES = 100
 
 
 def patched_module(work_dir: Path):
-    """``loss_and_miner_utils`` of the released sdist with the series applied (its source part)."""
-    sdists = ROOT / ".venv" / "sdists"
-    found = list(sdists.glob("pytorch*metric*learning-2.9.0.tar.gz"))
-    if not found:  # once, as the patch tests do
-        download = ["pip", "download", "--no-binary", ":all:", "--no-deps", "pytorch-metric-learning==2.9.0"]
-        subprocess.run([sys.executable, "-m", *download, "-d", str(sdists)], check=True)
-        found = list(sdists.glob("pytorch*metric*learning-2.9.0.tar.gz"))
-    (sdist,) = found
-    with tarfile.open(sdist) as archive:
-        archive.extractall(work_dir, filter="data")
-    tree = work_dir / "pytorch-metric-learning-2.9.0"
-    for patch in sorted((ROOT / "patches" / "pytorch-metric-learning" / "2.9.0").glob("*.patch")):
-        subprocess.run(["git", "apply", "--include=src/*", str(patch)], cwd=tree, check=True)
+    """``loss_and_miner_utils`` of the released sdist with the series applied."""
+    tree = patched_source(PACKAGE, VERSION, patch_files(PACKAGE, VERSION), work_dir)
     # The patched package under another name, beside the installed one (its modules import each other relatively).
     package = tree / "src" / "pytorch_metric_learning"
     spec = importlib.util.spec_from_file_location(

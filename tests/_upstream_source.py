@@ -4,6 +4,7 @@ Released source trees of upstream packages, with the patches from ``patches/`` a
 The patches are written for the sources as they are published on PyPI, so they are checked against the released
 sdist rather than against a git checkout: the two can differ (some sdists ship CRLF line endings where the
 repository has LF). Sdists are cached in ``<repo>/.venv/sdists`` so that only the first run needs the network.
+``tools/patches_check.py`` and ``benchmarks/bench_pml_patch.py`` fetch and unpack the sdists through it too.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
-
-import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PATCHES_DIR = REPO_ROOT / "patches"
@@ -134,5 +133,7 @@ def collect_check_script(process: subprocess.Popen, log_dir: Path, timeout: floa
     lines = (log_dir / "stdout").read_text().strip().splitlines()
     if process.returncode != 0 or not lines:
         stderr = (log_dir / "stderr").read_text()
+        import pytest  # here: tools/patches_check.py and the benchmarks use this module without pytest
+
         pytest.fail(f"the checks in {log_dir} exited with {process.returncode}:\n{stderr[-4000:]}")
     return json.loads(lines[-1])

@@ -34,7 +34,8 @@ def pairs_file(tmp_path):
     return path
 
 
-def tiny_run_args(model_dir, data, output_dir, *extra):
+def tiny_run_args(model_dir, data, output_dir, *extra, anchor="question", positive="answer"):
+    """``st-ext train`` on a tiny model for two steps of four pairs, over ``data``'s ``anchor`` and ``positive`` columns."""
     return [
         "train",
         "--model",
@@ -42,9 +43,9 @@ def tiny_run_args(model_dir, data, output_dir, *extra):
         "--data",
         str(data),
         "--anchor-column",
-        "question",
+        anchor,
         "--positive-column",
-        "answer",
+        positive,
         "--max-steps",
         "2",
         "--batch-size",

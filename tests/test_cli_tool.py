@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import tiny_run_args
 from tiny_models import SENTENCES
 
 from st_ext.cli import EXIT_BAD_INPUT, main
@@ -32,29 +33,7 @@ def triplets_file(tmp_path):
 
 
 def run_args(model_dir, data, output_dir, *extra):
-    return [
-        "train",
-        "--model",
-        str(model_dir),
-        "--data",
-        str(data),
-        "--anchor-column",
-        "q",
-        "--positive-column",
-        "pos",
-        "--max-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--mini-batch-size",
-        "2",
-        "--matryoshka-dims",
-        "32",
-        "16",
-        "--output-dir",
-        str(output_dir),
-        *extra,
-    ]
+    return tiny_run_args(model_dir, data, output_dir, *extra, anchor="q", positive="pos")
 
 
 def without(args: list[str], flag: str) -> list[str]:

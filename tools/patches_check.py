@@ -26,13 +26,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SDISTS = ROOT / ".venv" / "sdists"
+sys.path.insert(0, str(ROOT / "tests"))
+from _upstream_source import sdist_path, unpack_sdist  # noqa: E402  (the tests' sdist cache and unpacking)
+
 WORK = ROOT / ".venv" / "patch-trees"
 REPORT = ROOT / "runs" / "patches-check.md"
 
@@ -92,30 +93,6 @@ def run(command: list[str], cwd: Path, env: dict | None = None, check: bool = Tr
     return result
 
 
-def sdist(project: str, version: str) -> Path:
-    normalized = re.sub(r"[-_.]+", "_", project).lower()
-    for path in SDISTS.glob(f"*-{version}.tar.gz"):
-        if re.sub(r"[-_.]+", "_", path.name[: -len(f"-{version}.tar.gz")]).lower() == normalized:
-            return path
-    SDISTS.mkdir(parents=True, exist_ok=True)
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-binary",
-            ":all:",
-            "--no-deps",
-            f"{project}=={version}",
-            "-d",
-            str(SDISTS),
-        ],
-        ROOT,
-    )
-    return sdist(project, version)
-
-
 def git_dir_of(repository: str, project: str) -> Path:
     """A git directory for ``repository``: the given clone, or a bare clone made under .venv."""
     path = Path(repository)
@@ -152,9 +129,7 @@ def fresh_tree(series: Series, git_dir: Path | None) -> tuple[Path, str]:
     destination = WORK / series.name.replace(" ", "-")
     shutil.rmtree(destination, ignore_errors=True)
     destination.mkdir(parents=True)
-    with tarfile.open(sdist(series.project, series.version)) as archive:
-        archive.extractall(destination, filter="data")
-    (tree,) = [path for path in destination.iterdir() if path.is_dir()]
+    tree = unpack_sdist(sdist_path(series.project, series.version), destination)
     source = overlay(tree, git_dir, series) if git_dir is not None else "none"
     for command in (
         ["git", "init", "-q"],
