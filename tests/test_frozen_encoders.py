@@ -17,7 +17,7 @@ from loss_checks import (
     pair_dataset,
     text_columns,
 )
-from tiny_models import cross_encoder_from, sentence_transformer_from
+from tiny_models import SPECIAL_TOKENS, VOCAB, cross_encoder_from, save_tiny_bert, sentence_transformer_from
 
 import st_ext
 import st_ext.offload
@@ -281,6 +281,98 @@ def test_distillation_bad_input(model, guide_dir, tiny_classifier_dir):
     dataset = pair_dataset(4, negatives=1).add_column("label", [0.0] * 4)
     with pytest.raises(ValueError, match="already has a 'label' column"):
         precompute_teacher_labels(teacher, dataset, upstream.MarginMSELoss(model), show_progress_bar=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Every way to precompute embeds what the live encoder sees
+
+#: Shorter than many of the test texts: the live encoder sees them truncated.
+MODEL_LENGTH = 16
+FROZEN_ENCODER_KINDS = ["reads-model-ids", "shorter-limit", "other-vocabulary"]
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary_dir(tmp_path_factory):
+    """A tiny BERT whose tokenizer numbers the words in another order: an encoder that re-tokenizes."""
+    words = [token for token in VOCAB if token not in SPECIAL_TOKENS]
+    return save_tiny_bert(tmp_path_factory.mktemp("other_vocabulary"), seed=2, tokens=SPECIAL_TOKENS + words[::-1])
+
+
+def frozen_encoder(kind, guide_dir, other_vocabulary_dir, tiny_classifier_dir):
+    """A frozen encoder that reads the model's token ids, or one that re-tokenizes the decoded rows."""
+    if kind == "cross-encoder":
+        return cross_encoder_from(tiny_classifier_dir)
+    if kind == "shorter-limit":
+        return guide_from(guide_dir, max_seq_length=MODEL_LENGTH - 4)
+    return guide_from(other_vocabulary_dir if kind == "other-vocabulary" else guide_dir)
+
+
+def raw_and_kept_differ(num_columns: int) -> list[list[str]]:
+    """Row-aligned columns whose raw strings differ from what the model's tokenizer keeps of them: most are
+    longer than ``MODEL_LENGTH`` tokens, and every other row starts with a word outside the vocabulary."""
+    columns = text_columns(6, num_columns, seed=5, min_words=4, max_words=30)
+    return [[f"Zebra {text}" if row % 2 else text for row, text in enumerate(column)] for column in columns]
+
+
+@pytest.mark.parametrize("entry_point", ["from_texts", "from_dataset", "precompute_frozen_encoder"])
+@pytest.mark.parametrize("encoder_kind", FROZEN_ENCODER_KINDS)
+def test_precomputed_guide_rows_equal_the_live_guide(
+    model, guide_dir, other_vocabulary_dir, encoder_kind, entry_point
+):
+    model.max_seq_length = MODEL_LENGTH
+    guide = frozen_encoder(encoder_kind, guide_dir, other_vocabulary_dir, None)
+    columns = raw_and_kept_differ(2)
+    dataset = Dataset.from_dict({"anchor": columns[0], "positive": columns[1]})
+    if entry_point == "from_texts":
+        table = losses.GuideEmbeddings.from_texts(
+            model, guide, sum(columns, []), batch_size=4, show_progress_bar=False
+        )
+    elif entry_point == "from_dataset":
+        table = losses.GuideEmbeddings.from_dataset(model, guide, dataset, batch_size=4, show_progress_bar=False)
+    else:
+        holder = losses.GISTEmbedLoss(model, guide)
+        holder.precompute_frozen_encoder(dataset, batch_size=4, show_progress_bar=False)
+        table = holder.guide_embeddings
+    features, ranges = features_of(model, columns), [[(0, len(column))] for column in columns]
+    live = losses.GISTEmbedLoss(model, guide).frozen_embeddings(features, ranges)
+    precomputed = losses.GISTEmbedLoss(model, guide_embeddings=table).frozen_embeddings(features, ranges)
+    raw = torch.as_tensor(guide.encode(columns[0], show_progress_bar=False))
+    assert not torch.allclose(raw, torch.cat(live[0]), atol=1e-3), "the premise: raw strings embed differently"
+    for precomputed_column, live_column in zip(precomputed, live):
+        torch.testing.assert_close(torch.cat(precomputed_column), torch.cat(live_column), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "entry_point", ["TeacherLabels.from_dataset", "precompute_teacher_labels", "precompute_frozen_encoder"]
+)
+@pytest.mark.parametrize(
+    "encoder_kind, loss_name",
+    [(kind, "MSELoss") for kind in FROZEN_ENCODER_KINDS]
+    + [(kind, "MarginMSELoss") for kind in [*FROZEN_ENCODER_KINDS, "cross-encoder"]],
+)
+def test_precomputed_teacher_labels_equal_the_live_teacher(
+    model, guide_dir, other_vocabulary_dir, tiny_classifier_dir, encoder_kind, loss_name, entry_point
+):
+    model.max_seq_length = MODEL_LENGTH
+    teacher = frozen_encoder(encoder_kind, guide_dir, other_vocabulary_dir, tiny_classifier_dir)
+    inner = getattr(upstream, loss_name)(model)
+    columns = raw_and_kept_differ(3 if loss_name == "MarginMSELoss" else 1)
+    dataset = Dataset.from_dict({f"text_{i}": column for i, column in enumerate(columns)})
+    features = features_of(model, columns)
+    live = losses.DistillationLoss(inner, teacher).teacher_outputs(features)
+    if entry_point == "TeacherLabels.from_dataset":
+        table = losses.TeacherLabels.from_dataset(
+            model, teacher, inner, dataset, batch_size=4, show_progress_bar=False
+        )
+        precomputed = losses.DistillationLoss(inner, teacher_labels=table).teacher_outputs(features)
+    elif entry_point == "precompute_teacher_labels":
+        labelled = precompute_teacher_labels(teacher, dataset, inner, batch_size=4, show_progress_bar=False)
+        precomputed = torch.tensor(labelled["label"], dtype=torch.float32)
+    else:
+        holder = losses.DistillationLoss(inner, teacher)
+        holder.precompute_frozen_encoder(dataset, batch_size=4, show_progress_bar=False)
+        precomputed = holder.teacher_outputs(features)
+    torch.testing.assert_close(precomputed, live, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------

@@ -229,9 +229,12 @@ def run_both(mode: str, patched_tree: Path, log_root: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> Path:
-    """The released sources of the installed version with all its patches applied, the GIST patch among them."""
+    """The released sources of the installed version with its series applied up to the GIST patch: a later patch
+    may change the losses' rounding (6.2.0's 0006 computes the similarities differently), which the exact
+    comparisons below would take for the GIST patch's."""
     patches = patch_files(PACKAGE, INSTALLED)
     assert gist_patch() in patches
+    patches = patches[: patches.index(gist_patch()) + 1]
     return patched_source(PACKAGE, INSTALLED, patches, tmp_path_factory.mktemp("source"))
 
 

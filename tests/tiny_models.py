@@ -23,9 +23,10 @@ WORDS = (
 VOCAB = list(dict.fromkeys(SPECIAL_TOKENS + WORDS + list(string.ascii_lowercase) + [str(d) for d in range(10)]))
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A lower-casing word-level tokenizer with BERT's [CLS]/[SEP] templates for single texts and pairs."""
-    vocab = {token: index for index, token in enumerate(VOCAB)}
+def build_tokenizer(tokens: list[str] = VOCAB) -> PreTrainedTokenizerFast:
+    """A lower-casing word-level tokenizer with BERT's [CLS]/[SEP] templates for single texts and pairs,
+    numbering ``tokens`` (the special tokens among them) in their order."""
+    vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -60,13 +61,16 @@ def bert_config(num_layers: int = 2, hidden_size: int = 32, dropout: float = 0.1
     )
 
 
-def save_tiny_bert(path: Path, *, classifier: bool = False, seed: int = 0, **config_kwargs) -> Path:
-    """Save a randomly initialised tiny BERT (encoder, or sequence classifier) with its tokenizer."""
+def save_tiny_bert(
+    path: Path, *, classifier: bool = False, seed: int = 0, tokens: list[str] = VOCAB, **config_kwargs
+) -> Path:
+    """Save a randomly initialised tiny BERT (encoder, or sequence classifier) with its tokenizer over
+    ``tokens`` (an order of ``VOCAB``: another order is another vocabulary of the same size)."""
     torch.manual_seed(seed)
     config = bert_config(**config_kwargs)
     model = BertForSequenceClassification(config) if classifier else BertModel(config)
     model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
+    build_tokenizer(tokens).save_pretrained(path)
     return path
 
 

@@ -17,24 +17,25 @@ column; ``MarginMSELoss`` the teacher's ``score(query, positive) - score(query, 
 candidate column. A bi-encoder teacher scores with its own ``similarity_pairwise``; a
 ``CrossEncoder`` teacher with ``predict`` on (query, candidate) pairs.
 
-A teacher that reads the model's token ids (same vocabulary, no shorter limit) sees exactly the
-dataset's texts; otherwise, and always for a ``CrossEncoder``, it sees each row decoded from the
-model's token ids (as upstream's GIST guide does), which may differ from the raw text in case or
-spacing. :class:`TeacherLabels` is computed the same way, so it always equals the live teacher.
+A teacher sees what the model's tokenizer kept of each text (truncated to the model's
+``max_seq_length``): it reads the model's token ids when it can (same vocabulary, no shorter limit);
+otherwise, and always for a ``CrossEncoder``, it sees each row decoded from them (as upstream's GIST
+guide does), which may differ from the raw text in case or spacing. :class:`TeacherLabels` and
+:func:`precompute_teacher_labels` are computed the same way (:func:`teacher_label_batches`), so they
+always equal the live teacher.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from st_ext import offload
-from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, preprocess, upstream_loss_class
+from st_ext._compat import MARGIN_MSE_TAKES_MANY_NEGATIVES, upstream_loss_class
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
     KeyedRows,
@@ -43,9 +44,9 @@ from st_ext.losses.frozen_encoders import (
     decoded_texts,
     embed_frozen,
     features_device,
+    frozen_outputs,
     frozen_placement,
     inputs_kept,
-    module_device,
     retokenizer_for,
     shares_parameters,
     text_columns,
@@ -178,33 +179,33 @@ class TeacherLabels(KeyedRows):
         (``requires_grad_(False)``, ``eval()``). ``device``: where it runs for this pass (moved there
         and back); default: where it is.
         """
-        kind = label_kind(loss)
-        check_teacher_kind(teacher, loss, kind)
-        teacher.requires_grad_(False).eval()
-        retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
-        run_device = torch.device(device) if device is not None else module_device(teacher)
-        datasets = as_dataset_list(datasets)
+        options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
+        check_teacher_kind(teacher, loss, label_kind(loss))
+        batches = (
+            batch
+            for dataset in as_dataset_list(datasets)
+            for batch in teacher_label_batches(
+                model, teacher, loss, [dataset[column] for column in text_columns(dataset)], **options
+            )
+        )
+        return cls.from_batches(batches, empty=torch.empty(0))
 
-        def label(features: list[Features], rows: list[int]) -> Tensor:
-            return teacher_labels_from_features(teacher, kind, features, retokenize_with, model.tokenizer).cpu()[rows]
 
-        def batches(progress):
-            for dataset in datasets:
-                columns = text_columns(dataset)
-                _check_columns(kind, len(columns))
-                for begin in range(0, len(dataset), batch_size):
-                    batch = dataset[begin : begin + batch_size]
-                    features = [preprocess(model, batch[column], run_device) for column in columns]
-                    yield features, partial(label, features)
-                    progress.update(len(batch[columns[0]]))
-
-        with (
-            frozen_placement(teacher, device, offloaded=device is not None),
-            tqdm(
-                total=sum(len(dataset) for dataset in datasets), desc="Teacher labels", disable=not show_progress_bar
-            ) as progress,
-        ):
-            return cls.from_batches(batches(progress), empty=torch.empty(0))
+def teacher_label_batches(
+    model: nn.Module, teacher: nn.Module, loss: nn.Module, columns: Sequence[Sequence[str]], **options: Any
+) -> Iterator[tuple[list[Features], Tensor]]:
+    """Batches of the rows of ``columns`` with the labels the live :class:`DistillationLoss` computes for
+    them (:func:`~st_ext.losses.frozen_encoders.frozen_outputs` over :func:`teacher_labels_from_features`;
+    ``options``: its keywords). Checks the columns and the teacher, and freezes it, before any batch."""
+    kind = label_kind(loss)
+    _check_columns(kind, len(columns))
+    check_teacher_kind(teacher, loss, kind)
+    teacher.requires_grad_(False).eval()
+    retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
+    label = partial(
+        teacher_labels_from_features, teacher, kind, retokenize_with=retokenize_with, model_tokenizer=model.tokenizer
+    )
+    return frozen_outputs(model, teacher, columns, label, desc="Teacher labels", **options)
 
 
 class DistillationLoss(FrozenEncoderHolder, nn.Module):
@@ -358,36 +359,26 @@ def precompute_teacher_labels(
     show_progress_bar: bool = True,
     overwrite: bool = False,
 ) -> Any:
-    """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``, computed from the raw texts.
+    """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``.
 
-    The upstream way to distil: train on the result with the bare ``loss``. ``columns`` defaults to
-    the text columns in order (query first). The teacher is frozen (``requires_grad_(False)``,
+    The upstream way to distil: train on the result with the bare ``loss``. Each row's label is what
+    ``DistillationLoss(loss, teacher)`` would compute live: the teacher sees what the tokenizer of
+    ``loss.model`` (the student) kept of the texts, not the raw strings. ``columns`` defaults to the
+    text columns in order (query first). The teacher is frozen (``requires_grad_(False)``,
     ``eval()``); with ``release_teacher=True`` it is released afterwards (:func:`st_ext.offload.release`
     with ``holders``); with ``device`` it is moved there only for the computation. The input dataset
     is not changed.
     """
-    kind = label_kind(loss)
     columns = list(columns) if columns is not None else text_columns(dataset)
-    _check_columns(kind, len(columns))
     missing = [column for column in columns if column not in dataset.column_names]
     if missing:
         raise ValueError(f"Columns {missing} are not in the dataset (it has {dataset.column_names}).")
     if label_column in dataset.column_names and not overwrite:
         raise ValueError(f"The dataset already has a {label_column!r} column; pass overwrite=True to replace it.")
-    check_teacher_kind(teacher, loss, kind)
-    teacher.requires_grad_(False).eval()
-    placement = frozen_placement(teacher, device, offloaded=device is not None)
-    chunks = []
-    with (
-        placement,
-        torch.no_grad(),
-        tqdm(total=len(dataset), desc="Teacher labels", disable=not show_progress_bar) as progress,
-    ):
-        for begin in range(0, len(dataset), batch_size):
-            batch = dataset[begin : begin + batch_size]
-            texts = [batch[column] for column in (columns[:1] if kind == EMBEDDINGS else columns)]
-            chunks.append(_labels_from_texts(teacher, kind, texts, batch_size).cpu())
-            progress.update(len(texts[0]))
+    texts = [dataset[column] for column in columns]
+    options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
+    batches = teacher_label_batches(loss.model, teacher, loss, texts, **options)
+    chunks = [labels for _, labels in batches]
     labels = torch.cat(chunks) if chunks else torch.empty(0)
     if label_column in dataset.column_names:
         dataset = dataset.remove_columns(label_column)
@@ -395,16 +386,3 @@ def precompute_teacher_labels(
     if release_teacher:
         offload.release(teacher, holders=holders)
     return dataset
-
-
-def _labels_from_texts(teacher: nn.Module, kind: str, texts: list[list[str]], batch_size: int) -> Tensor:
-    if is_cross_encoder(teacher):
-        return labels_from_scores(kind, cross_encoder_scores(teacher, texts))
-    embeddings = [
-        teacher.encode(column, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
-        for column in texts
-    ]
-    if kind == EMBEDDINGS:
-        return embeddings[0]
-    scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
-    return labels_from_scores(kind, scores)

@@ -3,9 +3,9 @@
 A GIST guide and a distillation teacher are frozen: they run without grad, on the batch the
 model was given. A loss sees token ids, not texts, so the encoder either reads the model's ids
 directly (same vocabulary, no shorter limit) or gets each row decoded and re-tokenized. Its
-outputs can also be computed before training and looked up by each row's token ids
-(:class:`KeyedRows`), which equals the live encoder exactly and needs no change to the dataset
-or the data collator.
+outputs can also be computed before training (:func:`frozen_outputs`, the one way every table and
+label column is computed) and looked up by each row's token ids (:class:`KeyedRows`), which equals
+the live encoder exactly and needs no change to the dataset or the data collator.
 """
 
 from __future__ import annotations
@@ -17,19 +17,12 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from st_ext import offload
 from st_ext._compat import own_submodules, preprocess
-from st_ext.losses.features import (  # noqa: F401  (select_rows: the losses import it from here)
-    Features,
-    collator_inputs,
-    reads_flattened,
-    row_keys,
-    row_token_ids,
-    select_rows,
-    to_padded,
-)
+from st_ext.losses.features import Features, collator_inputs, reads_flattened, row_keys, row_token_ids, to_padded
 from st_ext.training.gradient_sync import parameters_sharded
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
@@ -91,6 +84,40 @@ def embed_frozen(
     }
     with torch.no_grad():
         return encoder(features)["sentence_embedding"].to(device)
+
+
+def frozen_outputs(
+    model: nn.Module,
+    encoder: nn.Module,
+    columns: Sequence[Sequence[str]],
+    run: Callable[[list[Features]], Tensor],
+    *,
+    batch_size: int = 32,
+    device: str | torch.device | None = None,
+    desc: str = "Frozen encoder",
+    show_progress_bar: bool = True,
+) -> Iterator[tuple[list[Features], Tensor]]:
+    """Batches of the rows of ``columns`` (row-aligned lists of texts), each with ``run``'s outputs on the CPU.
+
+    Every precomputed table or label column comes from here, so that it equals the live encoder: the
+    training ``model`` tokenizes the rows as the data collator does (truncated to its ``max_seq_length``),
+    and ``run`` is what the live loss runs on those features. ``device``: where ``encoder`` runs for this
+    pass (frozen, moved there and back); default: where it is.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    if device is not None:
+        encoder.requires_grad_(False)
+    features_on = torch.device(device) if device is not None else module_device(encoder)
+    num_rows = len(columns[0]) if columns else 0
+    with (
+        frozen_placement(encoder, device, offloaded=device is not None),
+        tqdm(total=num_rows, desc=desc, disable=not show_progress_bar) as progress,
+    ):
+        for begin in range(0, num_rows, batch_size):
+            features = [preprocess(model, list(column[begin : begin + batch_size]), features_on) for column in columns]
+            yield features, run(features).cpu()
+            progress.update(min(batch_size, num_rows - begin))
 
 
 @contextmanager
@@ -200,15 +227,15 @@ class KeyedRows:
         raise NotImplementedError
 
     @classmethod
-    def from_batches(cls, batches: Iterable[tuple[Any, Callable[[list[int]], Tensor]]], empty: Tensor):
-        """A table from ``(features, outputs)`` pairs, where ``outputs(rows)`` computes the given rows of
-        ``features`` (indices into the batch). Only the rows whose keys are new are computed; kept on the CPU."""
+    def from_batches(cls, batches: Iterable[tuple[Any, Tensor]], empty: Tensor):
+        """A table from ``(features, values)`` pairs, one row of ``values`` per row of ``features``; a row
+        whose key the table already holds is skipped. Kept on the CPU."""
         keys: dict[bytes, int] = {}
         chunks: list[Tensor] = []
-        for features, outputs in batches:
+        for features, values in batches:
             new_rows = claim_new_keys(keys, cls.keys_of(features))
             if new_rows:
-                chunks.append(outputs(new_rows).cpu())
+                chunks.append(values[torch.tensor(new_rows, dtype=torch.long)].cpu())
         return cls(keys, torch.cat(chunks) if chunks else empty)
 
     def lookup(self, features: Any) -> Tensor | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -41,10 +40,10 @@ from st_ext.losses.frozen_encoders import (
     as_dataset_list,
     embed_frozen,
     features_device,
+    frozen_outputs,
     frozen_placement,
     inputs_kept,
     retokenizer_for,
-    select_rows,
     shares_parameters,
     text_columns,
 )
@@ -130,27 +129,19 @@ class GuideEmbeddings(KeyedRows):
         device: str | torch.device | None = None,
         show_progress_bar: bool = True,
     ) -> GuideEmbeddings:
-        """Embed every distinct text with ``guide`` exactly as the live loss would embed its row.
+        """Embed every distinct text with ``guide`` exactly as the live loss would embed its row: what the
+        model's tokenizer kept of it (see :func:`frozen_outputs`), read or re-tokenized as the loss does.
 
         ``device``: where the guide runs for this pass (frozen, moved there and back); default: where it is.
         """
         retokenize_with = retokenizer_for(model, guide)
-        texts = list(dict.fromkeys(texts))
 
-        def embed(features: Features, rows: list[int]) -> Tensor:
-            return embed_frozen(guide, select_rows(features, rows), retokenize_with, torch.device("cpu"))
+        def embed(features: list[Features]) -> Tensor:
+            return embed_frozen(guide, features[0], retokenize_with, features_device(features))
 
-        def batches():
-            for begin in tqdm(
-                range(0, len(texts), batch_size), desc="Guide embeddings", disable=not show_progress_bar
-            ):
-                features = preprocess(model, texts[begin : begin + batch_size])
-                yield features, partial(embed, features)
-
-        if device is not None:
-            guide.requires_grad_(False)
-        with frozen_placement(guide, device, offloaded=device is not None):
-            return cls.from_batches(batches(), empty=torch.empty(0, 0))
+        options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
+        batches = frozen_outputs(model, guide, [list(dict.fromkeys(texts))], embed, desc="Guide embeddings", **options)
+        return cls.from_batches(((features[0], values) for features, values in batches), empty=torch.empty(0, 0))
 
     @classmethod
     def from_dataset(
@@ -185,9 +176,11 @@ class GuideEmbeddings(KeyedRows):
 
         ``columns``: the text columns whose ``template`` embedding columns to use (default: every
         text column that has one). Train on the dataset without the embedding columns: the data
-        collator would try to tokenize them. ``precompute_embeddings`` embeds the texts with
-        ``guide.encode``, which equals the live guide when the guide reads the texts' token ids
-        unchanged (same tokenizer, no truncation); :meth:`from_dataset` matches it in every case.
+        collator would try to tokenize them. The table keys each row by the model's token ids but
+        holds what ``precompute_embeddings`` computed, the guide's ``encode`` of the raw string; the
+        live guide embeds what the model's tokenizer kept of it. The two agree when guide and model
+        share a tokenizer and every text fits the model's ``max_seq_length`` (or the guide truncates at
+        the same length). :meth:`from_dataset` equals the live guide in every case.
         """
         if columns is None:
             present = set(dataset.column_names)
@@ -201,8 +194,7 @@ class GuideEmbeddings(KeyedRows):
                 precomputed = dataset[offload.embedding_column_name(column, template)]
                 embeddings = torch.as_tensor(np.asarray(precomputed, dtype=np.float32))
                 for begin in range(0, len(texts), batch_size):
-                    chunk = embeddings[begin : begin + batch_size]
-                    yield preprocess(model, texts[begin : begin + batch_size]), lambda rows, chunk=chunk: chunk[rows]
+                    yield preprocess(model, texts[begin : begin + batch_size]), embeddings[begin : begin + batch_size]
 
         return cls.from_batches(batches(), empty=torch.empty(0, 0))
 

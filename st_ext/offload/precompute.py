@@ -53,7 +53,12 @@ def precompute_embeddings(
     ``"c_guide_emb"``, see :func:`embedding_column_name`) holding one list of float32 per row,
     row-aligned with ``c``, computed by ``encoder.encode`` (a SentenceTransformer; extra keyword
     arguments such as ``normalize_embeddings`` go to it). Texts are encoded longest first, as
-    ``encode`` does, so batches pad little. With ``device`` the encoder is brought there only for
+    ``encode`` does, so batches pad little.
+
+    It embeds the raw strings (the encoder's tokenizer, its ``max_seq_length``); a loss's live frozen
+    encoder embeds what the training model's tokenizer kept of them. The two agree when encoder and model
+    share a tokenizer and each text fits the model's ``max_seq_length``; a guide table that equals the
+    live guide in every case: ``st_ext.losses.GuideEmbeddings.from_dataset(model, guide, dataset)``. With ``device`` the encoder is brought there only for
     the encoding (:func:`on_device`). With ``release_encoder=True`` the encoder is released
     afterwards (:func:`release`, with ``holders``, ``optimizers`` and ``force``); whether it may be
     released is checked before encoding, so a refusal costs nothing.
