@@ -21,7 +21,8 @@ from torch import nn
 from st_ext import losses
 from st_ext._compat import preprocess, separate_column_forwards, st_losses
 from st_ext.losses import auto_mini_batch
-from st_ext.losses.minibatches import can_merge, layout_of, minibatch_features, plan_minibatches
+from st_ext.losses.features import layout_of, minibatch_features
+from st_ext.losses.minibatches import can_merge, plan_minibatches
 from st_ext.memory import measure_peak
 
 upstream = st_losses()
@@ -141,7 +142,9 @@ def test_each_mini_batch_is_padded_to_its_own_longest_row(model):
     features = features_of(model, [short, long])
     layouts = [layout_of(f) for f in features]
     plan = plan_minibatches(features, layouts, 4)
-    widths = [minibatch_features(features, plan, minibatch)["input_ids"].shape[1] for minibatch in plan.minibatches]
+    widths = [
+        minibatch_features(features, plan.layouts, minibatch)["input_ids"].shape[1] for minibatch in plan.minibatches
+    ]
     own = [int(layouts[0].ends[:4].max()), int(layouts[0].ends[4:].max())]
     own += [int(layouts[1].ends[:4].max()), int(layouts[1].ends[4:].max())]
     assert widths == own
@@ -176,7 +179,7 @@ def test_planning_and_slicing_mini_batches_never_read_device_data(model):
         plan = plan_minibatches(guarded, layouts, size, tokens)
         assert plan.merged
         for minibatch in plan.minibatches:
-            minibatch_features(guarded, plan, minibatch)
+            minibatch_features(guarded, plan.layouts, minibatch)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,15 @@ import torch
 from loss_checks import NoDeviceReads, features_of, text_columns
 
 from st_ext import losses
-from st_ext.losses.features import UnsliceableFeatureError, is_media_key, layout_of, select_rows, slice_rows
-from st_ext.losses.minibatches import can_merge, minibatch_features, plan_minibatches
+from st_ext.losses.features import (
+    UnsliceableFeatureError,
+    is_media_key,
+    layout_of,
+    minibatch_features,
+    select_rows,
+    slice_rows,
+)
+from st_ext.losses.minibatches import can_merge, plan_minibatches
 
 pytestmark = [pytest.mark.conformance, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -230,7 +237,9 @@ def test_merged_passes_hold_every_segments_rows():
         assert plan.merged
         for minibatch in plan.minibatches:
             rows = [row for segment in minibatch for row in columns[segment.column][segment.begin : segment.end]]
-            assert_same_features(minibatch_features(features, plan, minibatch), build(layout, rows), layout.name)
+            assert_same_features(
+                minibatch_features(features, plan.layouts, minibatch), build(layout, rows), layout.name
+            )
 
 
 @pytest.mark.parametrize(

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 
 from st_ext import checkpointing
 from st_ext._compat import compiled_module
-from st_ext.losses.features import Features
-from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge, minibatch_features
+from st_ext.losses.features import Features, minibatch_features
+from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge
 from st_ext.memory import measure_peak
 from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 
@@ -221,7 +221,7 @@ class _Series:
             began = time.perf_counter()
             with switch:
                 graph_peak, dim, self.meter = _probe_peak(
-                    self.model, minibatch_features(self.sentence_features, plan, rows), self.device, passes
+                    self.model, minibatch_features(self.sentence_features, plan.layouts, rows), self.device, passes
                 )
             self.seconds[size] = (time.perf_counter() - began) / passes
             peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)

@@ -63,10 +63,6 @@ def _nothing(layers: list, outputs: list[Reps]) -> None:
     return None
 
 
-def no_frozen(sentence_features: list[Features], ranges: list[Ranges]) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class LossStep:
     """One forward pass of a cached loss.
@@ -100,7 +96,8 @@ class CachedLoss:
     mini_batch_num_tokens: int | None = None
     auto: Any = None
     show_progress_bar: bool = False
-    frozen: FrozenFn = no_frozen
+    #: None: the loss has no frozen encoder.
+    frozen: FrozenFn | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +127,9 @@ def as_cached_loss(loss: Any) -> CachedLoss | None:
     return None
 
 
-def described(loss: Any, start: Callable[[list[Features], int], LossStep], frozen: FrozenFn = no_frozen) -> CachedLoss:
+def described(
+    loss: Any, start: Callable[[list[Features], int], LossStep], frozen: FrozenFn | None = None
+) -> CachedLoss:
     """A loss that keeps a cached loss's usual settings (``model``, ``mini_batch_size``, and where it has
     them ``mini_batch_num_tokens``, ``auto_mini_batch``, ``show_progress_bar``), with ``start`` and ``frozen``."""
     return CachedLoss(

@@ -347,6 +347,19 @@ def concat_slices(pieces: Sequence[Features], layout: ColumnLayout) -> Features:
     return merged
 
 
+def minibatch_features(
+    sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout], minibatch: Sequence[Any]
+) -> Features:
+    """The features one forward pass embeds: the rows of every segment of ``minibatch`` (each with its
+    ``column``, ``begin`` and ``end``, see :class:`~st_ext.losses.minibatches.Segment`), as copies, in order,
+    padded only as far as the mini-batch's own longest row needs."""
+    pieces = [
+        slice_rows(sentence_features[segment.column], segment.begin, segment.end, layouts[segment.column])
+        for segment in minibatch
+    ]
+    return concat_slices(pieces, layouts[minibatch[0].column])
+
+
 def _pad_tokens(value: Tensor, width: int) -> Tensor:
     if value.shape[1] == width:
         return value

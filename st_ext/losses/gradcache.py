@@ -57,9 +57,10 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     UnsliceableFeatureError,
     batch_size_of,
     layout_of,
+    minibatch_features,
     row_keys,
 )
-from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, minibatch_features, plan_minibatches, split_rows
+from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches, split_rows
 from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 
 
@@ -166,7 +167,7 @@ def embed_minibatches(
     outputs: list[Reps] = []
     rng_states: list[RngState | None] = []
     for minibatch in tqdm(plan.minibatches, desc="Embed mini-batches", disable=not show_progress_bar):
-        features = minibatch_features(sentence_features, plan, minibatch)
+        features = minibatch_features(sentence_features, plan.layouts, minibatch)
         rng_states.append(RngState(features.values()) if keep_rng else None)
         for index, output in enumerate(encoder(model, features)):
             if index == len(outputs):
@@ -231,7 +232,7 @@ def _replay_minibatch(
 ) -> bool:
     """Re-embed one mini-batch under its first pass's RNG state and back-propagate ``scale`` times its
     cached gradients; False when none of its outputs needs a gradient."""
-    features = minibatch_features(replay.sentence_features, replay.plan, minibatch)
+    features = minibatch_features(replay.sentence_features, replay.plan.layouts, minibatch)
     with state.replay():
         outputs = replay.encoder(replay.model, features)
     pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
@@ -285,7 +286,7 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
     # Before the passes that embed the features (the auto mode's probes embed copies): the loss and the frozen
     # encoders read them before a module edits them in place.
     step = loss.start(sentence_features, batching.size)
-    frozen = loss.frozen(sentence_features, plan.column_ranges())
+    frozen = None if loss.frozen is None else loss.frozen(sentence_features, plan.column_ranges())
     loss_fn = step.draw(None)
     encoder = step.encoder
 

@@ -32,9 +32,7 @@ from st_ext.losses.features import (  # noqa: F401  (ColumnLayout, layout_of: th
     ColumnLayout,
     Features,
     Ranges,
-    concat_slices,
     layout_of,
-    slice_rows,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -186,20 +184,6 @@ def _equal(first: Any, other: Any) -> bool:
         return bool(first == other)
     except (RuntimeError, ValueError, TypeError):
         return False
-
-
-# ---------------------------------------------------------------------------------------------
-# Building one mini-batch's features
-
-
-def minibatch_features(sentence_features: Sequence[Features], plan: MiniBatchPlan, minibatch: MiniBatch) -> Features:
-    """The features one forward pass embeds: every segment's rows, as copies, in order, padded only as
-    far as the mini-batch's own longest row needs."""
-    pieces = [
-        slice_rows(sentence_features[segment.column], segment.begin, segment.end, plan.layouts[segment.column])
-        for segment in minibatch
-    ]
-    return concat_slices(pieces, plan.layouts[minibatch[0].column])
 
 
 def split_rows(output: Tensor, minibatch: MiniBatch) -> list[Tensor]:
