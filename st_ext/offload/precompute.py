@@ -58,10 +58,12 @@ def precompute_embeddings(
     It embeds the raw strings (the encoder's tokenizer, its ``max_seq_length``); a loss's live frozen
     encoder embeds what the training model's tokenizer kept of them. The two agree when encoder and model
     share a tokenizer and each text fits the model's ``max_seq_length``; a guide table that equals the
-    live guide in every case: ``st_ext.losses.GuideEmbeddings.from_dataset(model, guide, dataset)``. With ``device`` the encoder is brought there only for
-    the encoding (:func:`on_device`). With ``release_encoder=True`` the encoder is released
-    afterwards (:func:`release`, with ``holders``, ``optimizers`` and ``force``); whether it may be
-    released is checked before encoding, so a refusal costs nothing.
+    live guide in every case: ``st_ext.losses.GuideEmbeddings.from_dataset(model, guide, dataset)``.
+
+    With ``device`` the encoder is brought there only for the encoding (:func:`on_device`). With
+    ``release_encoder=True`` the encoder is released afterwards (:func:`release`, with ``holders``,
+    ``optimizers`` and ``force``); whether it may be released is checked before encoding, so a refusal
+    costs nothing.
     """
     column_list = [columns] if isinstance(columns, str) else list(columns)
     refuse_if_released(encoder)
