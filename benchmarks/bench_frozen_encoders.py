@@ -67,7 +67,7 @@ def build_loss(loss_name: str, mode: str, path: str, dataset: Dataset, seq_len: 
     else:
         loss = losses.DistillationLoss(upstream.MarginMSELoss(student), frozen)
     if mode in ("offload", "precompute"):
-        apply_frozen_encoder_mode(mode, loss, datasets=[dataset], device=device, show_progress_bar=False)
+        apply_frozen_encoder_mode(mode, loss, train_dataset=dataset, device=device, show_progress_bar=False)
     del frozen
     return student, loss, labels
 
