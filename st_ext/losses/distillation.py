@@ -1,28 +1,16 @@
 """Distillation whose labels come from a teacher: live, offloaded between uses, or precomputed and released.
 
 Upstream's ``MSELoss``, ``MarginMSELoss`` and ``DistillKLDivLoss`` read the teacher's outputs from
-the dataset's label column, which the user fills beforehand while the teacher sits in memory.
-Here the same losses get their labels from the teacher in one of three ways:
+a label column filled beforehand. :class:`DistillationLoss` computes them per batch from a teacher
+(resident, or offloaded with ``offload_teacher=True``), or looks them up in :class:`TeacherLabels`
+computed before training; :func:`precompute_teacher_labels` writes them into a label column instead.
 
-* :class:`DistillationLoss` with a resident teacher: labels computed per batch, on the batch's rows.
-* ``offload_teacher=True``: the teacher stays on the CPU and visits the training device only for
-  its no-grad pass.
-* :class:`TeacherLabels` (or ``SentenceTransformerTrainer(frozen_encoders="precompute")``): every row's labels
-  computed once, looked up by the rows' token ids during training, and the teacher released.
-  :func:`precompute_teacher_labels` instead writes them into a label column for upstream's losses.
-
-Labels follow upstream's documented recipes: ``MSELoss`` gets the teacher's embedding of the first
-column; ``MarginMSELoss`` the teacher's ``score(query, positive) - score(query, negative_i)``
-(one column per negative, or a vector with one negative); ``DistillKLDivLoss`` the scores of every
-candidate column. A bi-encoder teacher scores with its own ``similarity_pairwise``; a
-``CrossEncoder`` teacher with ``predict`` on (query, candidate) pairs.
-
-A teacher sees what the model's tokenizer kept of each text (truncated to the model's
-``max_seq_length``): it reads the model's token ids when it can (same vocabulary, no shorter limit);
-otherwise, and always for a ``CrossEncoder``, it sees each row decoded from them (as upstream's GIST
-guide does), which may differ from the raw text in case or spacing. :class:`TeacherLabels` and
-:func:`precompute_teacher_labels` are computed the same way (:func:`teacher_label_batches`), so they
-always equal the live teacher.
+Labels follow upstream's recipes: ``MSELoss`` gets the teacher's embedding of the first column;
+``MarginMSELoss`` ``score(query, positive) - score(query, negative_i)`` (one column per negative, or
+a vector with one negative); ``DistillKLDivLoss`` the scores of every candidate column. A bi-encoder
+teacher scores with its ``similarity_pairwise``, a ``CrossEncoder`` with ``predict`` on (query,
+candidate) pairs. The teacher sees what the model's tokenizer kept of each text: the model's token
+ids when it can read them, else each row decoded from them (always for a ``CrossEncoder``).
 """
 
 from __future__ import annotations
@@ -53,7 +41,6 @@ from st_ext.losses.frozen_encoders import (
 )
 from st_ext.losses.gradcache import Features
 
-#: What each supported loss reads as labels.
 EMBEDDINGS, MARGINS, SCORES = "embeddings", "margins", "scores"
 _LABEL_KIND_BY_LOSS = {"MSELoss": EMBEDDINGS, "MarginMSELoss": MARGINS, "DistillKLDivLoss": SCORES}
 
@@ -113,17 +100,14 @@ def cross_encoder_scores(teacher: nn.Module, columns: Sequence[Sequence[str]]) -
 
 
 def teacher_labels_from_features(
-    teacher: nn.Module,
-    kind: str,
-    sentence_features: Sequence[Features],
-    retokenize_with,
-    model_tokenizer,
+    teacher: nn.Module, kind: str, sentence_features: Sequence[Features], retokenize_with
 ) -> Tensor:
-    """The teacher's labels of one batch of the model's features, on the features' device."""
+    """The teacher's labels of one batch of the model's features (decoded by :func:`teacher_retokenizer`'s
+    answer), on the features' device."""
     device = features_device(sentence_features[0])
     with torch.no_grad():
         if is_cross_encoder(teacher):
-            texts = [decoded_texts(features, model_tokenizer) for features in sentence_features]
+            texts = [decoded_texts(features, retokenize_with) for features in sentence_features]
             return labels_from_scores(kind, cross_encoder_scores(teacher, texts)).to(device)
         needed = sentence_features[:1] if kind == EMBEDDINGS else sentence_features
         embeddings = [embed_frozen(teacher, features, retokenize_with, device) for features in needed]
@@ -131,6 +115,12 @@ def teacher_labels_from_features(
             return embeddings[0]
         scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
         return labels_from_scores(kind, scores.to(device))
+
+
+def teacher_retokenizer(model: nn.Module, teacher: nn.Module):
+    """Who decodes the model's rows for ``teacher``: the model's tokenizer for a CrossEncoder (it scores
+    texts), else :func:`retokenizer_for`'s answer."""
+    return model.tokenizer if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
 
 
 def _check_columns(kind: str, num_columns: int) -> None:
@@ -180,7 +170,7 @@ class TeacherLabels(KeyedRows):
         and back); default: where it is.
         """
         options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
-        check_teacher_kind(teacher, loss, label_kind(loss))
+        check_teacher_kind(teacher, loss, label_kind(loss))  # also when there is no dataset to label
         batches = (
             batch
             for dataset in as_dataset_list(datasets)
@@ -195,16 +185,12 @@ def teacher_label_batches(
     model: nn.Module, teacher: nn.Module, loss: nn.Module, columns: Sequence[Sequence[str]], **options: Any
 ) -> Iterator[tuple[list[Features], Tensor]]:
     """Batches of the rows of ``columns`` with the labels the live :class:`DistillationLoss` computes for
-    them (:func:`~st_ext.losses.frozen_encoders.frozen_outputs` over :func:`teacher_labels_from_features`;
-    ``options``: its keywords). Checks the columns and the teacher, and freezes it, before any batch."""
+    them (``options``: those of :func:`~st_ext.losses.frozen_encoders.frozen_outputs`)."""
     kind = label_kind(loss)
     _check_columns(kind, len(columns))
     check_teacher_kind(teacher, loss, kind)
     teacher.requires_grad_(False).eval()
-    retokenize_with = None if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
-    label = partial(
-        teacher_labels_from_features, teacher, kind, retokenize_with=retokenize_with, model_tokenizer=model.tokenizer
-    )
+    label = partial(teacher_labels_from_features, teacher, kind, retokenize_with=teacher_retokenizer(model, teacher))
     return frozen_outputs(model, teacher, columns, label, desc="Teacher labels", **options)
 
 
@@ -278,15 +264,17 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
             "DistillationLoss needs a teacher model, or precomputed teacher_labels with teacher=None."
         )
         self._check_encoder_and_table(teacher, teacher_labels, offload_teacher, neither=neither)
-        _validate_teacher(loss, teacher, self.kind)
-        self.loss = loss
         if teacher is not None:
+            if shares_parameters(loss.model, teacher):
+                raise ValueError(
+                    "The teacher shares parameters with the student being trained; use a separate teacher model."
+                )
+            check_teacher_kind(teacher, loss, self.kind)
             teacher.requires_grad_(False).eval()
+        self.loss = loss
         self._hold_encoder(teacher, offloaded=offload_teacher)
         self.teacher_labels = teacher_labels
-        self.model_tokenizer = getattr(loss.model, "tokenizer", None)
-        reads_ids = teacher is not None and not is_cross_encoder(teacher)
-        self.retokenize_with = retokenizer_for(loss.model, teacher) if reads_ids else None
+        self.retokenize_with = None if teacher is None else teacher_retokenizer(loss.model, teacher)
 
     @property
     def model(self) -> nn.Module:
@@ -312,9 +300,7 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
             return looked_up[0]
         device = features_device(sentence_features[0])
         with frozen_placement(self.teacher, device, self.offload_teacher):
-            return teacher_labels_from_features(
-                self.teacher, self.kind, sentence_features, self.retokenize_with, self.model_tokenizer
-            )
+            return teacher_labels_from_features(self.teacher, self.kind, sentence_features, self.retokenize_with)
 
     def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> TeacherLabels:
         return TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
@@ -335,16 +321,6 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         return getattr(self.loss, "citation", None)
 
 
-def _validate_teacher(loss, teacher, kind) -> None:
-    """Reject what would otherwise fail, or silently misbehave, at the first batch (after the checks of
-    :meth:`FrozenEncoderHolder._check_encoder_and_table`)."""
-    if teacher is None:
-        return
-    if shares_parameters(loss.model, teacher):
-        raise ValueError("The teacher shares parameters with the student being trained; use a separate teacher model.")
-    check_teacher_kind(teacher, loss, kind)
-
-
 def precompute_teacher_labels(
     teacher: nn.Module,
     dataset: Any,
@@ -362,12 +338,10 @@ def precompute_teacher_labels(
     """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``.
 
     The upstream way to distil: train on the result with the bare ``loss``. Each row's label is what
-    ``DistillationLoss(loss, teacher)`` would compute live: the teacher sees what the tokenizer of
-    ``loss.model`` (the student) kept of the texts, not the raw strings. ``columns`` defaults to the
-    text columns in order (query first). The teacher is frozen (``requires_grad_(False)``,
-    ``eval()``); with ``release_teacher=True`` it is released afterwards (:func:`st_ext.offload.release`
-    with ``holders``); with ``device`` it is moved there only for the computation. The input dataset
-    is not changed.
+    ``DistillationLoss(loss, teacher)`` would compute live. ``columns`` defaults to the text columns
+    in order (query first). The teacher is frozen; with ``release_teacher=True`` it is released
+    afterwards (:func:`st_ext.offload.release` with ``holders``); with ``device`` it is moved there
+    only for the computation. The input dataset is not changed.
     """
     columns = list(columns) if columns is not None else text_columns(dataset)
     missing = [column for column in columns if column not in dataset.column_names]

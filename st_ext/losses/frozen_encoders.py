@@ -1,11 +1,10 @@
-"""What the losses with a frozen encoder share: running it on the model's token ids, and tables of its outputs.
+"""What the losses with a frozen encoder (a GIST guide, a distillation teacher) share.
 
-A GIST guide and a distillation teacher are frozen: they run without grad, on the batch the
-model was given. A loss sees token ids, not texts, so the encoder either reads the model's ids
-directly (same vocabulary, no shorter limit) or gets each row decoded and re-tokenized. Its
-outputs can also be computed before training (:func:`frozen_outputs`, the one way every table and
-label column is computed) and looked up by each row's token ids (:class:`KeyedRows`), which equals
-the live encoder exactly and needs no change to the dataset or the data collator.
+A loss sees token ids, not texts, so the encoder either reads the model's ids directly (same
+vocabulary, no shorter limit) or gets each row decoded and re-tokenized. Its outputs can be
+computed before training (:func:`frozen_outputs`, the one way every table and label column is
+computed) and looked up by each row's token ids (:class:`KeyedRows`): that equals the live encoder
+exactly and needs no change to the dataset or the data collator.
 """
 
 from __future__ import annotations
@@ -29,11 +28,8 @@ LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
 
 
 def retokenizer_for(model: nn.Module, encoder: nn.Module) -> PreTrainedTokenizerBase | None:
-    """The model's tokenizer when ``encoder`` cannot read the model's token ids, else None.
-
-    The encoder reads the model's ids directly when both share a vocabulary and it accepts
-    sequences as long as the model's; otherwise each row is decoded and re-tokenized for it.
-    """
+    """The model's tokenizer when ``encoder`` cannot read the model's token ids (another vocabulary, or a
+    shorter ``max_seq_length``): each row is then decoded and re-tokenized for it. Else None."""
     model_tokenizer = getattr(model, "tokenizer", None)
     encoder_tokenizer = getattr(encoder, "tokenizer", None)
     if not isinstance(model_tokenizer, PreTrainedTokenizerBase) or not isinstance(
@@ -55,7 +51,6 @@ def module_device(module: nn.Module) -> torch.device:
 
 
 def features_device(features: Features | Sequence[Features]) -> torch.device:
-    """Where a column's features (or the first of a batch's columns) are."""
     first = features if isinstance(features, Mapping) else features[0]
     return next(value.device for value in first.values() if isinstance(value, Tensor))
 
@@ -100,9 +95,9 @@ def frozen_outputs(
     """Batches of the rows of ``columns`` (row-aligned lists of texts), each with ``run``'s outputs on the CPU.
 
     Every precomputed table or label column comes from here, so that it equals the live encoder: the
-    training ``model`` tokenizes the rows as the data collator does (truncated to its ``max_seq_length``),
-    and ``run`` is what the live loss runs on those features. ``device``: where ``encoder`` runs for this
-    pass (frozen, moved there and back); default: where it is.
+    training ``model`` tokenizes the rows as the data collator does, and ``run`` is what the live loss
+    runs on those features. ``device``: where ``encoder`` runs for this pass (frozen, moved there and
+    back); default: where it is.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
@@ -122,18 +117,15 @@ def frozen_outputs(
 
 @contextmanager
 def inputs_kept(sentence_features: Sequence[Features]) -> Iterator[None]:
-    """Within the block, each column's integer tensors (the data collator's token ids, masks and lengths)
-    are copies; after it, the originals again, as the collator made them.
+    """Within the block, each column's integer tensors (the collator's token ids, masks and lengths) are
+    copies; after it, the originals again.
 
-    A loss with a frozen encoder reads the same features twice, once per encoder, and a wrapper may
-    hand it the same features again: upstream's ``MatryoshkaLoss``, ``AdaptiveLayerLoss`` and
-    ``Matryoshka2dLoss`` call a non-cached loss once per dimension or layer. The model's modules may
-    edit their inputs in place (sentence-transformers 4.x's ``Pooling(include_prompt=False)`` zeroes the
-    prompt positions of the attention mask), so the model runs inside this block: every call's frozen
-    encoder, and a table lookup keyed by the non-padding token ids, then read the rows the collator
-    made. The model still runs on the caller's dicts, because wrappers read its outputs from there
-    (6.x's ``AdaptiveLayerLoss`` passes every layer's embeddings between calls that way); float
-    tensors (outputs an earlier call left there, media) are not copied.
+    Upstream's Matryoshka and layer-wise wrappers call a non-cached loss once per dimension or layer
+    with the same features, and the model's modules may edit their inputs in place (4.x's
+    ``Pooling(include_prompt=False)`` zeroes the prompt positions of the mask). Running the model in
+    this block leaves every call's frozen encoder and table lookup the rows the collator made. The
+    model still gets the caller's dicts, since wrappers read its outputs from there (6.x's
+    ``AdaptiveLayerLoss`` passes every layer's embeddings between calls that way).
     """
     swapped = []
     for features in sentence_features:
@@ -158,17 +150,6 @@ def frozen_placement(encoder: nn.Module, device: str | torch.device | None, offl
     return offload.on_device(encoder, device)
 
 
-def hold_outside_module_tree(owner: nn.Module, name: str, encoder: nn.Module) -> None:
-    """Set ``owner.name = encoder`` without registering it as a submodule.
-
-    The trainer's ``loss.to(model.device)`` then leaves an offloaded encoder where it is, and its
-    weights are not part of the loss's ``state_dict``. The encoder is frozen: it only runs without grad.
-    """
-    own_submodules(owner).pop(name, None)
-    encoder.requires_grad_(False)
-    object.__setattr__(owner, name, encoder)
-
-
 def text_columns(dataset: Any) -> list[str]:
     """The columns the data collator tokenizes: string-valued ones that are not labels, in order."""
     features = dataset.features
@@ -180,23 +161,13 @@ def text_columns(dataset: Any) -> list[str]:
 
 
 def as_dataset_list(datasets: Any) -> list[Any]:
-    """A ``Dataset``, a ``DatasetDict``/dict of datasets, or a list of any of these, as a flat list of datasets."""
+    """A ``Dataset``, a ``DatasetDict``/dict of datasets, or a list of any of these, as a flat list."""
     if datasets is None:
         return []
     if hasattr(datasets, "column_names") and not isinstance(datasets.column_names, dict):
         return [datasets]
     items = datasets.values() if hasattr(datasets, "values") else datasets
     return [dataset for item in items for dataset in as_dataset_list(item)]
-
-
-def claim_new_keys(keys: dict[bytes, int], batch_keys: Sequence[bytes]) -> list[int]:
-    """Give each key of ``batch_keys`` not yet in ``keys`` the next row number; return the batch rows that got one."""
-    claimed = []
-    for row, key in enumerate(batch_keys):
-        if key not in keys:
-            keys[key] = len(keys)
-            claimed.append(row)
-    return claimed
 
 
 def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:
@@ -206,11 +177,8 @@ def combined_row_keys(sentence_features: Sequence[Features]) -> list[bytes]:
 
 
 class KeyedRows:
-    """Rows of a frozen encoder's output computed before training, looked up by token-id keys.
-
-    A subclass says how a batch's rows are keyed (:meth:`keys_of`): a guide's table by one column's
-    token ids, a teacher's by every column's.
-    """
+    """Rows of a frozen encoder's output computed before training, looked up by token-id keys: a
+    subclass's :meth:`keys_of` keys a guide's rows by one column's token ids, a teacher's by every column's."""
 
     def __init__(self, keys: dict[bytes, int], values: Tensor) -> None:
         if len(keys) != len(values):
@@ -223,7 +191,6 @@ class KeyedRows:
 
     @staticmethod
     def keys_of(features: Any) -> list[bytes]:
-        """The keys of the rows of ``features`` (what :meth:`lookup` and :meth:`missing` take)."""
         raise NotImplementedError
 
     @classmethod
@@ -233,28 +200,25 @@ class KeyedRows:
         keys: dict[bytes, int] = {}
         chunks: list[Tensor] = []
         for features, values in batches:
-            new_rows = claim_new_keys(keys, cls.keys_of(features))
+            new_rows = []
+            for row, key in enumerate(cls.keys_of(features)):
+                if key not in keys:
+                    keys[key] = len(keys)
+                    new_rows.append(row)
             if new_rows:
                 chunks.append(values[torch.tensor(new_rows, dtype=torch.long)].cpu())
         return cls(keys, torch.cat(chunks) if chunks else empty)
 
     def lookup(self, features: Any) -> Tensor | None:
         """The rows of ``features`` on the features' device; None if any row is missing."""
-        return self.rows_for(self.keys_of(features), features_device(features))
+        rows = [self.keys.get(key) for key in self.keys_of(features)]
+        if any(row is None for row in rows):
+            return None
+        return self.values[torch.tensor(rows, dtype=torch.long)].to(features_device(features))
 
     def missing(self, features: Any) -> int:
         """How many rows of ``features`` the table lacks."""
-        return self.count_missing(self.keys_of(features))
-
-    def rows_for(self, keys: Sequence[bytes], device: torch.device) -> Tensor | None:
-        """The rows of ``keys`` on ``device``; None if any key is missing."""
-        rows = [self.keys.get(key) for key in keys]
-        if any(row is None for row in rows):
-            return None
-        return self.values[torch.tensor(rows, dtype=torch.long)].to(device)
-
-    def count_missing(self, keys: Sequence[bytes]) -> int:
-        return sum(key not in self.keys for key in keys)
+        return sum(key not in self.keys for key in self.keys_of(features))
 
     def extended_with(self, other: KeyedRows):
         """A table with this one's rows, plus the rows of ``other`` whose keys this one lacks."""
@@ -281,13 +245,8 @@ class KeyedRows:
 
 class FrozenEncoderHolder:
     """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, and/or a
-    table of its outputs (``self.<table_attribute>``).
-
-    Provides the table-or-live choice (:meth:`_rows_from_table`) and what
-    ``SentenceTransformerTrainer(frozen_encoders=...)`` calls (:mod:`st_ext.training.frozen_encoders`):
-    :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`. A subclass names its
-    attributes and its table's class, and builds a table in :meth:`_table_for`.
-    """
+    table of its outputs (``self.<table_attribute>``), with what ``SentenceTransformerTrainer(frozen_encoders=...)``
+    calls: :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`."""
 
     #: The attribute holding the encoder ("guide"), the one saying whether it is offloaded, and the one
     #: holding the precomputed table ("guide_embeddings": error messages name it with spaces).
@@ -300,8 +259,7 @@ class FrozenEncoderHolder:
     def _check_encoder_and_table(
         cls, encoder: nn.Module | None, table: KeyedRows | None, offloaded: bool, *, neither: Exception
     ) -> None:
-        """Raise ``neither`` without an encoder and a table, and on a table of the wrong class or an
-        offload with no encoder."""
+        """Raise ``neither`` without an encoder and a table."""
         if encoder is None and table is None:
             raise neither
         if table is not None and not isinstance(table, cls.table_class):
@@ -312,9 +270,8 @@ class FrozenEncoderHolder:
             raise ValueError(f"{cls.offload_attribute}=True needs a {cls.encoder_attribute} to offload.")
 
     def _rows_from_table(self, lookups: Sequence[Any]) -> list[Tensor] | None:
-        """The table's rows of each of ``lookups`` (what its ``lookup`` takes) when it holds them all; None
-        when the live encoder must compute them instead. Raises ``KeyError`` when rows are missing and
-        there is no encoder to fall back on."""
+        """The table's rows of each of ``lookups`` when it holds them all; None when the live encoder must
+        compute them instead (``KeyError`` when there is none)."""
         table = getattr(self, self.table_attribute)
         if table is None:
             return None
@@ -331,8 +288,8 @@ class FrozenEncoderHolder:
         return None
 
     def _hold_encoder(self, encoder: nn.Module | None, offloaded: bool) -> None:
-        """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU
-        outside the module tree."""
+        """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU outside
+        the module tree, so that the trainer's ``loss.to(device)`` leaves it there and ``state_dict`` lacks it."""
         if offloaded:
             if parameters_sharded(encoder):
                 raise ValueError(
@@ -342,17 +299,18 @@ class FrozenEncoderHolder:
                     'accelerator with ZeRO\'s "offload_param": {"device": "cpu"} under "zero_optimization", or load '
                     "it before creating the training arguments to offload a whole copy."
                 )
-            hold_outside_module_tree(self, self.encoder_attribute, encoder)
+            own_submodules(self).pop(self.encoder_attribute, None)
+            encoder.requires_grad_(False)
+            object.__setattr__(self, self.encoder_attribute, encoder)
             offload.offload(encoder)
         else:
             setattr(self, self.encoder_attribute, encoder)
         setattr(self, self.offload_attribute, offloaded)
 
     def _check_can_let_go(self, encoder: nn.Module) -> None:
-        """Raise if ``encoder`` may not be frozen, moved or released (e.g. it shares the model's weights)."""
+        """Raise if ``encoder`` may not be frozen, moved or released."""
 
     def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> KeyedRows:
-        """The encoder's table for ``datasets`` (``kwargs``: those of :meth:`precompute_frozen_encoder`)."""
         raise NotImplementedError
 
     def offload_frozen_encoder(self) -> None:
@@ -385,7 +343,7 @@ class FrozenEncoderHolder:
         )
         held = getattr(self, self.table_attribute)
         setattr(self, self.table_attribute, table if held is None else held.extended_with(table))
-        self._modules.pop(self.encoder_attribute, None)
+        own_submodules(self).pop(self.encoder_attribute, None)
         self.__dict__.pop(self.encoder_attribute, None)
         self._hold_encoder(None, offloaded=False)
         self.retokenize_with = None

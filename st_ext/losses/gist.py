@@ -1,18 +1,10 @@
 """GIST losses, cached and not, whose guide can live off the accelerator or be replaced by a precomputed table.
 
 GISTEmbed (https://huggingface.co/papers/2402.16829) drops in-batch negatives that a frozen guide
-model rates as more similar to the anchor than its own positive. The guide only runs without grad
-(with GradCache: in step 1 of :mod:`st_ext.losses.gradcache`), which gives two ways to free its
-memory during training:
-
-* ``offload_guide=True``: the guide stays on the CPU and is moved onto the training device only for
-  its no-grad pass (it is kept out of the loss's module tree, so ``loss.to(device)`` leaves it there).
-* :class:`GuideEmbeddings`: embed every text once before training, then train with ``guide=None``.
-  The table is keyed by the token ids the model's tokenizer gives each text, because the loss sees
-  token ids, not texts, and the live guide's embedding of a row is a function of those ids alone
-  (it embeds them, or decodes and re-tokenizes them). So the table needs no change to the dataset
-  or to the stock data collator, and returns what the live guide would have computed. A dataset
-  filled by :func:`st_ext.offload.precompute_embeddings` converts with ``from_precomputed``.
+rates as more similar to the anchor than its own positive. The guide only runs without grad, so it
+can stay on the CPU between passes (``offload_guide=True``, held outside the loss's module tree so
+that ``loss.to(device)`` leaves it there), or be replaced by a :class:`GuideEmbeddings` table keyed
+by each row's token ids, which needs no change to the dataset or the data collator.
 """
 
 from __future__ import annotations
@@ -96,12 +88,10 @@ def guide_pass(
 class GuideEmbeddings(KeyedRows):
     """Guide embeddings computed once before training, looked up by each row's token ids.
 
-    Build it with :meth:`from_dataset` (or :meth:`from_texts`) from the same model and guide the loss
-    would use, then pass it as ``CachedGISTEmbedLoss(model, guide=None, guide_embeddings=table)``
-    (or to ``GISTEmbedLoss``) and drop the guide. The trainer's collator must tokenize the texts as
-    ``model`` does here: the same ``max_seq_length``, and prompts already in the texts if the trainer
-    adds any. A row that is not in the table raises ``KeyError`` (or falls back to the live guide
-    when the loss has one)::
+    Build it with :meth:`from_dataset` (or :meth:`from_texts`) from the model and guide the loss
+    would use, pass it as ``guide_embeddings=table`` with ``guide=None``, and drop the guide. The
+    trainer's collator must tokenize as ``model`` does here (same ``max_seq_length``, prompts already
+    in the texts). A row missing from the table raises ``KeyError``, or uses the live guide if any::
 
         table = GuideEmbeddings.from_dataset(model, guide, [train_dataset, eval_dataset], device="cuda")
         st_ext.offload.release(guide)  # no guide in memory during training
@@ -129,8 +119,7 @@ class GuideEmbeddings(KeyedRows):
         device: str | torch.device | None = None,
         show_progress_bar: bool = True,
     ) -> GuideEmbeddings:
-        """Embed every distinct text with ``guide`` exactly as the live loss would embed its row: what the
-        model's tokenizer kept of it (see :func:`frozen_outputs`), read or re-tokenized as the loss does.
+        """Embed every distinct text as the live loss would embed its row (see :func:`frozen_outputs`).
 
         ``device``: where the guide runs for this pass (frozen, moved there and back); default: where it is.
         """
@@ -176,11 +165,10 @@ class GuideEmbeddings(KeyedRows):
 
         ``columns``: the text columns whose ``template`` embedding columns to use (default: every
         text column that has one). Train on the dataset without the embedding columns: the data
-        collator would try to tokenize them. The table keys each row by the model's token ids but
-        holds what ``precompute_embeddings`` computed, the guide's ``encode`` of the raw string; the
-        live guide embeds what the model's tokenizer kept of it. The two agree when guide and model
-        share a tokenizer and every text fits the model's ``max_seq_length`` (or the guide truncates at
-        the same length). :meth:`from_dataset` equals the live guide in every case.
+        collator would try to tokenize them. The table holds the guide's ``encode`` of the raw
+        strings, while the live guide embeds what the model's tokenizer kept of them: the two agree
+        only when guide and model share a tokenizer and no text is truncated differently
+        (:meth:`from_dataset` always equals the live guide).
         """
         if columns is None:
             present = set(dataset.column_names)
@@ -201,18 +189,6 @@ class GuideEmbeddings(KeyedRows):
 
 # ---------------------------------------------------------------------------------------------
 # The loss over embeddings
-
-
-def _normalized_leaves(tensors: list[Tensor], with_backward: bool) -> tuple[list[Tensor], list[Tensor]]:
-    """Unit vectors, and leaves detached from them when back-propagating chunk by chunk.
-
-    Every chunk's backward ends at the leaves; one final backward takes their summed gradient
-    through the normalisation (and any all-gather), which a per-chunk backward would free early.
-    """
-    normalized = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in tensors]
-    if not with_backward:
-        return normalized, normalized
-    return normalized, [tensor.detach().requires_grad_() for tensor in normalized]
 
 
 def _suppress(scores: Tensor, guide_scores: Tensor, limit: Tensor, keep: Tensor | None = None) -> Tensor:
@@ -262,7 +238,12 @@ def gist_loss(
     model_side = [tensor.float() for tensor in model_side]
     guide_side = [tensor.float() for tensor in guide_side]
     with torch.autocast(model_side[0].device.type, enabled=False):
-        graph_ends, (anchors, *candidates) = _normalized_leaves(model_side, with_backward)
+        graph_ends = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in model_side]
+        # Back-propagating chunk by chunk, every chunk's backward ends at leaves detached from the unit
+        # vectors; one final backward takes their summed gradient through the normalisation (and any
+        # all-gather), which a per-chunk backward would free early.
+        leaves = [end.detach().requires_grad_() for end in graph_ends] if with_backward else graph_ends
+        anchors, *candidates = leaves
         guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
         positives, guide_positives = candidates[0], guide_candidates[0]
 
@@ -298,7 +279,6 @@ def gist_loss(
             total = total + chunk_loss
 
         if with_backward:
-            leaves = [anchors, *candidates]
             pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
             torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
         return total
@@ -309,8 +289,7 @@ def gist_loss(
 
 
 class GuidedLoss(FrozenEncoderHolder, nn.Module):
-    """What both GIST losses share: their options, and where the guide embeddings come from (a
-    precomputed table, an offloaded guide, or a resident one, see :class:`FrozenEncoderHolder`)."""
+    """What both GIST losses share: their options, and where the guide embeddings come from."""
 
     encoder_attribute = "guide"
     offload_attribute = "offload_guide"
@@ -334,12 +313,23 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         # TypeError without guide and table, as upstream's missing `guide` argument raises.
         neither = TypeError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
         self._check_encoder_and_table(guide, guide_embeddings, offload_guide, neither=neither)
-        _validate_gist_arguments(model, guide, temperature, margin_strategy, offload_guide, gather_across_devices)
         self.model = model
+        if offload_guide:
+            self._check_can_let_go(guide)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+        if margin_strategy not in ("absolute", "relative"):
+            raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}.")
+        if gather_across_devices and all_gather_with_grad() is None:
+            raise ValueError("gather_across_devices needs sentence-transformers' all_gather_with_grad (5.x or newer).")
         self._hold_encoder(guide, offloaded=offload_guide)
         self.retokenize_with = None if guide is None else retokenizer_for(model, guide)
-        if self.retokenize_with is not None:
-            _refuse_static_embedding_retokenized(model)
+        if self.retokenize_with is not None and embeds_with_static_embedding(model):
+            # Upstream's check and error: a StaticEmbedding model's features cannot be decoded to re-tokenize.
+            raise ValueError(
+                "If we must retokenize because the guide model has a different tokenizer, "
+                "then the Sentence Transformer model must not be based on a StaticEmbedding."
+            )
         self.guide_embeddings = guide_embeddings
         self.temperature = temperature
         self.margin_strategy = margin_strategy
@@ -349,7 +339,6 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         self.gather_across_devices = gather_across_devices
 
     def _gist_options(self) -> dict[str, Any]:
-        """The arguments of :func:`gist_loss` that are the loss's settings."""
         return {
             "temperature": self.temperature,
             "margin_strategy": self.margin_strategy,
@@ -374,7 +363,11 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         )
 
     def _check_can_let_go(self, encoder: nn.Module) -> None:
-        _refuse_shared_guide(self.model, encoder)
+        if shares_parameters(self.model, encoder):
+            raise ValueError(
+                "Offloading or releasing this guide would freeze and move the model being trained: the guide "
+                "shares its parameters. Use a separate guide model."
+            )
 
     def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> GuideEmbeddings:
         return GuideEmbeddings.from_dataset(self.model, encoder, datasets, **kwargs)
@@ -480,7 +473,12 @@ class CachedGISTEmbedLoss(GuidedLoss):
         memory_budget_mb: float | None = None,
     ) -> None:
         super().__init__()
-        _refuse_static_embedding(model)
+        if embeds_with_static_embedding(model):
+            raise ValueError(
+                "CachedGISTEmbedLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding "
+                "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
+                "Consider using GISTEmbedLoss instead."
+            )
         validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
         self.auto_mini_batch = make_auto_mini_batch(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
         self.memory_budget_mb = memory_budget_mb
@@ -529,11 +527,9 @@ class GISTEmbedLoss(GuidedLoss):
     """GISTEmbed: in-batch negatives filtered by a frozen guide model, whose guide can be offloaded
     or replaced by a precomputed table.
 
-    For every anchor, the other rows' positives, anchors and negatives are negatives, except those
-    that the guide rates as more similar to the anchor than the anchor's own positive (minus a
-    margin). Takes upstream's arguments in the installed release's order (and 6.x's options on
-    older releases, keyword-only), any number of negative columns, and 6.x's relative margin on
-    every release.
+    As :class:`CachedGISTEmbedLoss`, with the whole batch in one forward pass. Takes upstream's
+    arguments in the installed release's order (and 6.x's options on older releases, keyword-only),
+    any number of negative columns, and 6.x's relative margin on every release.
 
     Args:
         model: the SentenceTransformer being trained.
@@ -562,20 +558,7 @@ class GISTEmbedLoss(GuidedLoss):
         | (anchor, positive, negative_1, ..., negative_n) | none   |
         +-------------------------------------------------+--------+
 
-    Example:
-        ::
-
-            from datasets import Dataset
-            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
-
-            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-            guide = SentenceTransformer("sentence-transformers/all-mpnet-base-v2")
-            train_dataset = Dataset.from_dict({
-                "anchor": ["It's nice weather outside today.", "He drove to work."],
-                "positive": ["It's so sunny.", "He took the car to the office."],
-            })
-            loss = losses.GISTEmbedLoss(model, guide, offload_guide=True)
-            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
+    Example: as :class:`CachedGISTEmbedLoss`'s, without ``mini_batch_size``.
     """
 
     @follows_upstream_signature(_upstream.GISTEmbedLoss)
@@ -619,56 +602,9 @@ class GISTEmbedLoss(GuidedLoss):
         return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
 
 
-def _validate_gist_arguments(
-    model: nn.Module,
-    guide: nn.Module | None,
-    temperature: float,
-    margin_strategy: str,
-    offload_guide: bool,
-    gather_across_devices: bool,
-) -> None:
-    """Reject what would otherwise fail, or silently misbehave, at the first batch (after the checks of
-    :meth:`FrozenEncoderHolder._check_encoder_and_table`)."""
-    if offload_guide:
-        _refuse_shared_guide(model, guide)
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}.")
-    if margin_strategy not in ("absolute", "relative"):
-        raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}.")
-    if gather_across_devices and all_gather_with_grad() is None:
-        raise ValueError("gather_across_devices needs sentence-transformers' all_gather_with_grad (5.x or newer).")
-
-
-def _refuse_shared_guide(model: nn.Module, guide: nn.Module) -> None:
-    if shares_parameters(model, guide):
-        raise ValueError(
-            "Offloading or releasing this guide would freeze and move the model being trained: the guide shares "
-            "its parameters. Use a separate guide model."
-        )
-
-
-def _refuse_static_embedding_retokenized(model: nn.Module) -> None:
-    """Upstream's check (same error): a guide with another tokenizer gets re-tokenized text, which a
-    StaticEmbedding model's features cannot be decoded back into."""
-    if embeds_with_static_embedding(model):
-        raise ValueError(
-            "If we must retokenize because the guide model has a different tokenizer, "
-            "then the Sentence Transformer model must not be based on a StaticEmbedding."
-        )
-
-
-def _refuse_static_embedding(model: nn.Module) -> None:
-    if embeds_with_static_embedding(model):
-        raise ValueError(
-            "CachedGISTEmbedLoss is not compatible with a SentenceTransformer model based on a StaticEmbedding "
-            "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
-            "Consider using GISTEmbedLoss instead."
-        )
-
-
 def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
-    """Upstream's ``CachedGISTEmbedLoss`` described: its guide runs once, in GradCache's step (1), and its
-    loss over embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
+    """Upstream's ``CachedGISTEmbedLoss`` for the engine: its guide runs once per step, and its loss over
+    embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
 
     def frozen(sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
         retokenize_with = loss.tokenizer if loss.must_retokenize else None

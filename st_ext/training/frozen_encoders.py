@@ -1,18 +1,13 @@
 """``SentenceTransformerTrainer(frozen_encoders=...)``: guides and teachers resident, offloaded or precomputed.
 
-(``SparseEncoderTrainer`` and ``MultiVectorEncoderTrainer`` take ``"resident"`` only: see :func:`require_resident`.)
-
 * ``"resident"`` (default): as upstream; frozen encoders stay on the training device.
 * ``"offload"``: each stays on the CPU and visits the training device only for its no-grad pass.
 * ``"precompute"``: each loss holding one computes its outputs for every row of the datasets it
-  will see (training and evaluation; with a dict of losses, those of its keys), then the encoder
-  is released (:func:`st_ext.offload.release`): nothing of it stays in memory.
+  will see (with a dict of losses, those of its keys), then the encoder is released, once, after
+  every loss sharing it has precomputed.
 
-Training gives the same results in every mode. The losses that take part are the
-:class:`~st_ext.losses.frozen_encoders.FrozenEncoderHolder` ones, st_ext's ``GISTEmbedLoss``,
-``CachedGISTEmbedLoss`` and ``DistillationLoss``, wherever they sit in the loss (inside a wrapper
-such as ``MatryoshkaLoss``, or in a dict of losses). Each encoder is released once, after every
-loss sharing it has precomputed.
+Training gives the same results in every mode. The losses that take part are st_ext's
+:class:`~st_ext.losses.frozen_encoders.FrozenEncoderHolder` ones, wherever they sit in the loss.
 """
 
 from __future__ import annotations
@@ -40,13 +35,9 @@ def validate_frozen_encoder_mode(mode: str) -> str:
 
 
 def require_resident(mode: str, trainer_name: str) -> str:
-    """Accept only ``"resident"``: for trainers whose upstream losses hold no frozen encoder.
-
-    sentence-transformers' sparse and multi-vector distillation losses (``SparseMarginMSELoss``,
-    ``SparseDistillKLDivLoss``, ``MultiVectorMarginMSELoss``, ``MultiVectorDistillKLDivLoss``) read the
-    teacher's scores from a label column, and those archetypes have no guided (GIST) loss: there is no
-    encoder in the loss to offload or precompute, so any other mode would silently do nothing.
-    """
+    """Accept only ``"resident"``: for the sparse and multi-vector trainers, whose losses hold no frozen
+    encoder (their distillation losses read the teacher's scores from a label column), so that any other
+    mode would silently do nothing."""
     validate_frozen_encoder_mode(mode)
     if mode != "resident":
         raise ValueError(
@@ -61,7 +52,7 @@ def require_resident(mode: str, trainer_name: str) -> str:
 
 def each_loss(loss: Any) -> list[Any]:
     """A trainer's losses: its one loss, or each loss of its dict (one per dataset)."""
-    return [item for _, item in named_losses(loss)]
+    return list(loss.values()) if isinstance(loss, dict) else [loss]
 
 
 def named_losses(loss: Any) -> list[tuple[str, Any]]:
@@ -80,25 +71,16 @@ def frozen_encoder_losses(loss: Any) -> list[nn.Module]:
     return list({id(module): module for module in found}.values())
 
 
-def _routed(datasets: Any, key: str) -> Any:
-    """The dataset a dict of losses routes to ``key``: ``datasets[key]``, or the one dataset given."""
-    if isinstance(datasets, dict):
-        return datasets.get(key)
-    return datasets
-
-
 def holders_and_their_datasets(loss: Any, train_dataset: Any, eval_dataset: Any) -> list[tuple[nn.Module, list]]:
-    """Each loss holding a frozen encoder, with the datasets it will see (with a dict of losses: its keys')."""
-    if not isinstance(loss, dict):
-        datasets = [dataset for dataset in (train_dataset, eval_dataset) if dataset is not None]
-        return [(holder, datasets) for holder in frozen_encoder_losses(loss)]
+    """Each loss holding a frozen encoder, with the datasets it will see: all of them, or with a dict of
+    losses those of its key (a dict of datasets routes ``datasets[key]`` to ``loss[key]``)."""
     routed: dict[int, tuple[nn.Module, list]] = {}
-    for key, item in loss.items():
-        seen = [
-            dataset for dataset in (_routed(train_dataset, key), _routed(eval_dataset, key)) if dataset is not None
-        ]
+    for key, item in named_losses(loss):
+        given = (train_dataset, eval_dataset)
+        if isinstance(loss, dict):
+            given = tuple(datasets.get(key) if isinstance(datasets, dict) else datasets for datasets in given)
         for holder in frozen_encoder_losses(item):
-            routed.setdefault(id(holder), (holder, []))[1].extend(seen)
+            routed.setdefault(id(holder), (holder, []))[1].extend(dataset for dataset in given if dataset is not None)
     return list(routed.values())
 
 

@@ -2,15 +2,11 @@
 
 While a ZeRO-3 configuration is alive (training arguments with ``deepspeed=``, or accelerate's
 ``zero3_init_flag``), transformers loads every model under ``deepspeed.zero.Init``: each rank keeps
-a slice of every weight and the parameters themselves are empty. The model being trained gets
-DeepSpeed's engine, whose hooks gather each layer's weights for its forward pass. A GIST guide or a
-distillation teacher loaded after the arguments is partitioned the same way but given to no engine,
-so its first forward pass fails ("'weight' must be 2-D") however the script is otherwise right.
-
-Each such encoder gets an engine of its own here, with ZeRO-3 and no optimizer: its weights stay
-partitioned (which is what a large teacher needs) and each layer is gathered for its pass and
-released after it, as for the trained model. Every rank then runs the encoder's passes together, as
-the trained model's: the cached and GIST losses run it the same number of times on every rank.
+a slice of every weight. A GIST guide or a distillation teacher loaded then is partitioned but given
+to no engine, so its first forward pass fails ("'weight' must be 2-D"). Each such encoder gets an
+engine of its own here, with ZeRO-3 and no optimizer: its weights stay partitioned and each layer is
+gathered for its pass, as for the trained model. This needs every rank to run the encoder's passes
+together, which the cached and GIST losses do (the same number of times on every rank).
 """
 
 from __future__ import annotations
