@@ -59,14 +59,10 @@ def measure_peak(device: str | torch.device | None = None) -> Iterator[PeakMemor
     True
     """
     device = resolve_device(device)
-    if device.type == "cuda":
-        with _measure_cuda(device) as result:
-            yield result
-    elif device.type == "cpu":
-        with _measure_cpu(device) as result:
-            yield result
-    else:
+    if device.type not in ("cuda", "cpu"):
         raise ValueError(f"measure_peak supports 'cpu' and 'cuda' devices, got {device}.")
+    with (_measure_cuda if device.type == "cuda" else _measure_cpu)(device) as result:
+        yield result
 
 
 @dataclass

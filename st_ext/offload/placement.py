@@ -41,7 +41,7 @@ def offload(
     back to the devices of the map on the next forward. The module keeps its parameter objects,
     so an optimizer or a loss that holds them still sees the same tensors.
     """
-    return _move_frozen(module, device, optimizers=optimizers, force=force, action="offload")
+    return _ready_to_move(module, optimizers, force, "offload").to(device)
 
 
 def onload(
@@ -52,15 +52,14 @@ def onload(
     force: bool = False,
 ) -> nn.Module:
     """Move a frozen, offloaded ``module`` back onto ``device``; returns it. See :func:`offload`."""
-    return _move_frozen(module, device, optimizers=optimizers, force=force, action="onload")
+    return _ready_to_move(module, optimizers, force, "onload").to(device)
 
 
-def _move_frozen(module, device, *, optimizers, force, action) -> nn.Module:
-    """One ``module.to`` (which models may customise), after the checks."""
+def _ready_to_move(module: nn.Module, optimizers: Iterable[Any], force: bool, action: str) -> nn.Module:
     refuse_if_released(module)
     refuse_if_trainable(module, optimizers=optimizers, force=force, action=action)
     _remove_accelerate_hooks_for_move(module)
-    return module.to(device)
+    return module
 
 
 @contextlib.contextmanager
@@ -82,9 +81,7 @@ def on_device(
     map). With ``force=True`` (a trainable module) the values are copied back into them instead,
     so updates made on the device are kept.
     """
-    refuse_if_released(module)
-    refuse_if_trainable(module, optimizers=optimizers, force=force, action="move")
-    _remove_accelerate_hooks_for_move(module)
+    _ready_to_move(module, optimizers, force, "move")
     moved = _move_tensors_keeping_originals(module, torch.device(device))
     try:
         yield module
@@ -145,14 +142,11 @@ def _put_back_originals(moved: list[_MovedTensor], *, copy_back: bool) -> None:
     """Undo :func:`_move_tensors_keeping_originals`, copying values back first when asked."""
     for entry in reversed(moved):
         current = entry.registry[entry.name]
-        copy_values = copy_back and current is not None and current.shape == entry.original.shape
+        if copy_back and current is not None and current.shape == entry.original.shape:
+            entry.original.data.copy_(current.data)
         if entry.object_replaced:
-            if copy_values:
-                entry.original.data.copy_(current.data)
             entry.registry[entry.name] = entry.original
         else:
-            if copy_values:
-                entry.original.copy_(current.data)
             _swap_parameter_data(current, entry.original, entry.original.device)
 
 

@@ -191,29 +191,25 @@ class LeftoverReport:
     def leftover_bytes(self) -> int:
         return sum(leftover.nbytes for leftover in self.leftovers)
 
-    def memory_change_lines(self) -> list[str]:
-        lines = []
-        for before, after in zip(self.memory_before, self.memory_after):
-            if before.bytes is None or after.bytes is None:
-                lines.append(f"{before.device} ({before.meter}): n/a")
-                continue
-            change = after.bytes - before.bytes
-            lines.append(
-                f"{before.device} ({before.meter}): {format_bytes(before.bytes)} -> "
-                f"{format_bytes(after.bytes)} ({'+' if change >= 0 else '-'}{format_bytes(abs(change))})"
-            )
-        return lines
-
     def __str__(self) -> str:
         size = f"{self.tensor_count} tensors, {format_bytes(self.tensor_bytes)}"
         if self.ok:
-            head = f"{self.description} is fully released ({size}): no parameter or buffer is alive."
+            lines = [f"{self.description} is fully released ({size}): no parameter or buffer is alive."]
         else:
-            head = (
+            lines = [
                 f"{self.description}: {len(self.leftovers)} of {self.tensor_count} tensors still alive "
                 f"({format_bytes(self.leftover_bytes)} of {format_bytes(self.tensor_bytes)})."
+            ]
+        for before, after in zip(self.memory_before, self.memory_after):
+            meter = f"  memory {before.device} ({before.meter}): "
+            if before.bytes is None or after.bytes is None:
+                lines.append(meter + "n/a")
+                continue
+            change = after.bytes - before.bytes
+            lines.append(
+                f"{meter}{format_bytes(before.bytes)} -> {format_bytes(after.bytes)} "
+                f"({'+' if change >= 0 else '-'}{format_bytes(abs(change))})"
             )
-        lines = [head] + [f"  memory {line}" for line in self.memory_change_lines()]
         shown, rest = self.leftovers[:TRACED_LEFTOVERS_LIMIT], self.leftovers[TRACED_LEFTOVERS_LIMIT:]
         lines += [f"  - {leftover}" for leftover in shown]
         if rest:
