@@ -109,7 +109,9 @@ def _trace_holders(alive: list[TrackedTensor], found: list[Leftover]) -> None:
 
     def holders_of(obj: Any) -> list[str]:
         if id(obj) not in described:
-            described[id(obj)] = _holder_paths(obj, own_containers | {id(described)})
+            paths: list[str] = []
+            _climb(obj, [], own_containers | {id(described), id(paths)}, paths, depth=0)
+            described[id(obj)] = paths
         return described[id(obj)]
 
     for index, entry in enumerate(alive):
@@ -196,19 +198,10 @@ def _graph_roots_saving(keys: set, roots: list[torch.Tensor]) -> dict[tuple[str,
     return result
 
 
-def _holder_paths(obj: Any, ignore_ids: set[int]) -> list[str]:
-    """Readable paths from named owners down to ``obj``, e.g. ``MyLoss.cached_output`` or
-    ``Linear._forward_hooks[3] -> closure variable 'weight' of plant.<locals>.hook()``."""
-    paths: list[str] = []
-    _climb(obj, [], ignore_ids | {id(paths)}, paths, depth=0)
-    return paths
-
-
 def _climb(obj: Any, labels: list[str], ignore_ids: set[int], paths: list[str], depth: int) -> None:
-    """Depth-first search up the referrer graph until a named owner is reached.
-
-    Frames are passed over: the checker's own hold what it inspects.
-    """
+    """Add to ``paths`` readable paths from named owners down to ``obj``, e.g. ``MyLoss.cached_output`` or
+    ``Linear._forward_hooks[3] -> closure variable 'weight' of plant.<locals>.hook()``: a depth-first
+    search up the referrer graph, passing over frames (the checker's own hold what it inspects)."""
     if depth >= _HOLDER_DEPTH_LIMIT:
         paths.append(_render_path(labels + ["..."]))
         return

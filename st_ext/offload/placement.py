@@ -75,11 +75,9 @@ def on_device(
     >>> with on_device(guide, "cuda"):
     ...     guide_embeddings = guide.encode(texts, convert_to_tensor=True)
 
-    The original tensors are kept and swapped back in afterwards instead of being copied back: a
-    frozen module's weights do not change on the device, so leaving costs no transfer and the
-    module ends up with exactly the storages it had (also on several devices, as after a device
-    map). With ``force=True`` (a trainable module) the values are copied back into them instead,
-    so updates made on the device are kept.
+    The original tensors are swapped back in rather than copied back: a frozen module's weights do
+    not change on the device, so leaving costs no transfer and the module ends up with exactly the
+    storages it had. With ``force=True`` (a trainable module) the values are copied back into them.
     """
     _ready_to_move(module, optimizers, force, "move")
     moved = _move_tensors_keeping_originals(module, torch.device(device))

@@ -36,17 +36,12 @@ def release(
 ) -> ReleaseReport:
     """Free ``module`` for good and return what was done, with a leftover check.
 
-    In order: record weak references to every tensor; clear references on ``holders`` (each
-    object's attributes, or a mapping's values, that are the module, a submodule, one of its
-    tensors or a bound method of one of them are set to None); drop its parameters from
-    ``optimizers`` (with their state); remove accelerate and forward/backward/state-dict hooks
-    from every submodule; drop ``.grad``; replace parameters, buffers and tensor attributes by
-    ``meta`` tensors of the same shape; install a guard that makes any call raise
-    :class:`ReleasedModuleError`; then ``gc.collect()``, ``torch.cuda.empty_cache()`` and
-    ``malloc_trim(0)``.
-
-    The module object itself stays valid (near-empty) so that code still holding it gets a clear
-    error rather than an AttributeError.
+    References on ``holders`` (an object's attributes, or a mapping's values, that are the module, a
+    submodule, one of its tensors or a bound method of one) are set to None, its parameters and their
+    state leave ``optimizers``, its hooks (accelerate's included) and gradients are dropped and its
+    tensors become ``meta`` tensors; then freed memory is handed back (gc, the CUDA cache,
+    ``malloc_trim``). The module object stays, near-empty, so that code still holding it gets a
+    :class:`ReleasedModuleError` rather than an AttributeError.
     """
     refuse_if_released(module)
     refuse_if_trainable(module, optimizers=optimizers, force=force, action="release")
