@@ -68,18 +68,19 @@ def leftovers(target: nn.Module | ReleaseRecord | ReleaseReport) -> LeftoverRepo
         name = entry.name + (f" (= {', '.join(entry.aliases)})" if entry.aliases else "")
         found.append(Leftover(name, entry.kind, entry.nbytes, entry.device, how, held_by=[]))
     module = record.module_ref()
-    for name, tensor in named_tensors(module) if module is not None else ():
-        if not tensor.is_meta:
-            found.append(
-                Leftover(
-                    name=name,
-                    kind=tensor_kind(module, name),
-                    nbytes=tensor.numel() * tensor.element_size(),
-                    device=str(tensor.device),
-                    how=f"it is in the released module, on {tensor.device} (assigned after the release)",
-                    held_by=[record.description],
+    if module is not None:
+        for name, tensor in named_tensors(module):
+            if not tensor.is_meta:
+                found.append(
+                    Leftover(
+                        name=name,
+                        kind=tensor_kind(module, name),
+                        nbytes=tensor.numel() * tensor.element_size(),
+                        device=str(tensor.device),
+                        how=f"it is in the released module, on {tensor.device} (assigned after the release)",
+                        held_by=[record.description],
+                    )
                 )
-            )
     if alive:
         _trace_holders(alive, found)
     return LeftoverReport(
