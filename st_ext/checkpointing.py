@@ -3,23 +3,12 @@
 sentence-transformers models are containers: the layers that can be checkpointed live in Hugging
 Face models somewhere inside (a ``Transformer`` module, the classifier of a ``CrossEncoder``, each
 route of a ``Router``/``Asym``), or in custom modules that follow the same convention. These
-functions find those *checkpointable* modules and switch them together:
+functions switch all of them together, each by the name its transformers version prefers.
+sentence-transformers models met on the way are walked through rather than called: their own
+methods reach only part of the tree in some releases, and use transformers' deprecated names in others.
 
-1. :func:`survey` walks the tree and keeps the outermost module that can checkpoint on each branch:
-   a Hugging Face model that declares ``supports_gradient_checkpointing``, or any other module with
-   an ``activation_checkpointing_enable``/``gradient_checkpointing_enable`` method. sentence-transformers
-   models met on the way are walked through rather than called (their own methods reach only part of
-   the tree in some releases, and use transformers' deprecated names in others). A module that
-   declares ``supports_gradient_checkpointing = False`` is skipped, as sentence-transformers 6.x does.
-2. :func:`enable` / :func:`disable` call each of them with the arguments it accepts, by the name
-   its transformers version prefers; ``use_reentrant=False`` is the default unless the caller says
-   otherwise (the re-entrant variant breaks with DDP and with inputs that do not require grad).
-3. :func:`is_enabled` reports whether any of them currently checkpoints.
-
-A tree with nothing to checkpoint (say a ``StaticEmbedding`` alone) is not an error: upstream
-skips it there, so :func:`enable` logs a warning naming what the tree holds and the model trains
-without checkpointing. The one request refused is switching off a custom module that can only be
-switched on.
+A tree with nothing to checkpoint (say a ``StaticEmbedding`` alone) is not an error: upstream skips
+it there, so :func:`enable` logs a warning naming what the tree holds.
 """
 
 from __future__ import annotations
@@ -27,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -36,6 +24,7 @@ from st_ext import _compat
 
 logger = logging.getLogger(__name__)
 
+#: The re-entrant variant breaks with DDP and with inputs that do not require grad.
 DEFAULT_CHECKPOINT_KWARGS = {"use_reentrant": False}
 
 
@@ -43,41 +32,38 @@ class CheckpointingNotSupportedError(ValueError):
     """A checkpointing request that cannot be honoured (a module that can be switched on but never off)."""
 
 
-@dataclass
-class Survey:
-    """What :func:`survey` found below a root: the modules to switch, and those that declined."""
+def survey(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """The outermost checkpointable modules below ``root``, and the modules that declare
+    ``supports_gradient_checkpointing = False`` (with nothing checkpointable inside), by dotted name.
 
-    targets: list[tuple[str, nn.Module]] = field(default_factory=list)
-    declined: list[tuple[str, nn.Module]] = field(default_factory=list)
-
-
-def survey(root: nn.Module) -> Survey:
-    """The outermost checkpointable modules below ``root``, and the modules that declare they cannot checkpoint
-    (with nothing checkpointable inside them), each with its dotted name."""
-    result = Survey()
+    Checkpointable: a Hugging Face model that declares ``supports_gradient_checkpointing``, or any other
+    module with an ``activation_checkpointing_enable``/``gradient_checkpointing_enable`` method.
+    """
+    targets: list[tuple[str, nn.Module]] = []
+    declined: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     containers = _compat.upstream_model_classes()
 
     def visit(prefix: str, module: nn.Module) -> int:
-        found_before = len(result.targets)
+        found_before = len(targets)
         for name, child in module.named_children():
             if id(child) in seen:
                 continue
             seen.add(id(child))
             path = f"{prefix}.{name}" if prefix else name
             if not isinstance(child, containers) and _can_checkpoint(child):
-                result.targets.append((path, child))
+                targets.append((path, child))
             elif visit(path, child) == 0 and _declines(child):
-                result.declined.append((path, child))
-        return len(result.targets) - found_before
+                declined.append((path, child))
+        return len(targets) - found_before
 
     visit("", root)
-    return result
+    return targets, declined
 
 
 def checkpointable_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost checkpointable modules below ``root``, with their dotted names."""
-    return survey(root).targets
+    return survey(root)[0]
 
 
 def _has_switch(module: nn.Module) -> bool:
@@ -87,7 +73,6 @@ def _has_switch(module: nn.Module) -> bool:
 
 
 def _declines(module: nn.Module) -> bool:
-    """Whether ``module`` has a checkpointing switch but declares ``supports_gradient_checkpointing = False``."""
     return _has_switch(module) and getattr(module, "supports_gradient_checkpointing", True) is False
 
 
@@ -96,28 +81,6 @@ def _can_checkpoint(module: nn.Module) -> bool:
         # A wrapper that declines (e.g. some *ForRetrieval heads) may still hold a model that supports it.
         return bool(getattr(module, "supports_gradient_checkpointing", False))
     return _has_switch(module) and not _declines(module)
-
-
-def _describe(modules: list[tuple[str, nn.Module]]) -> str:
-    return ", ".join(f"'{name}' ({type(module).__name__})" for name, module in modules)
-
-
-def _warn_about_skipped(root: nn.Module, found: Survey) -> None:
-    """Say which modules get no checkpointing; upstream skips them too (6.x with a warning, 4.x silently)."""
-    if found.declined:
-        logger.warning(
-            "Gradient checkpointing skips %s: they declare supports_gradient_checkpointing=False.",
-            _describe(found.declined),
-        )
-    if not found.targets:
-        contents = sorted({type(m).__name__ for m in root.modules() if m is not root}) or ["no submodules"]
-        logger.warning(
-            "%s has no module that can checkpoint its activations (it contains: %s); it runs without gradient "
-            "checkpointing. Checkpointing needs a Hugging Face model with supports_gradient_checkpointing=True "
-            "(e.g. inside a Transformer module) or a custom module defining gradient_checkpointing_enable().",
-            type(root).__name__,
-            ", ".join(contents),
-        )
 
 
 def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any) -> list[str]:
@@ -133,60 +96,63 @@ def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any)
             f"got {type(checkpoint_kwargs).__name__}."
         )
     kwargs = {**DEFAULT_CHECKPOINT_KWARGS, **(checkpoint_kwargs or {})}
-    found = survey(root)
-    _warn_about_skipped(root, found)
-    for _, module in found.targets:
+    targets, declined = survey(root)
+    # Upstream skips these too (6.x with a warning, 4.x silently).
+    if declined:
+        logger.warning(
+            "Gradient checkpointing skips %s: they declare supports_gradient_checkpointing=False.",
+            ", ".join(f"'{name}' ({type(module).__name__})" for name, module in declined),
+        )
+    if not targets:
+        contents = sorted({type(m).__name__ for m in root.modules() if m is not root}) or ["no submodules"]
+        logger.warning(
+            "%s has no module that can checkpoint its activations (it contains: %s); it runs without gradient "
+            "checkpointing. Checkpointing needs a Hugging Face model with supports_gradient_checkpointing=True "
+            "(e.g. inside a Transformer module) or a custom module defining gradient_checkpointing_enable().",
+            type(root).__name__,
+            ", ".join(contents),
+        )
+    for _, module in targets:
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_enable(module, dict(kwargs), **extra)
-        else:
-            _enable_custom(module, kwargs, extra)
-    return [name for name, _ in found.targets]
-
-
-def _enable_custom(module: nn.Module, kwargs: dict, extra: dict) -> None:
-    """Call a custom module's switch with whatever it accepts (maybe nothing), preferring transformers 5's name."""
-    method = getattr(module, "activation_checkpointing_enable", None)
-    keyword = "activation_checkpointing_kwargs"
-    if not callable(method):
-        method, keyword = module.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
-    method(**_compat.accepted_kwargs(method, {**extra, keyword: dict(kwargs)}))
+            continue
+        # A custom switch gets whatever it accepts (maybe nothing), by transformers 5's name where it has it.
+        method = getattr(module, "activation_checkpointing_enable", None)
+        keyword = "activation_checkpointing_kwargs"
+        if not callable(method):
+            method, keyword = module.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+        method(**_compat.accepted_kwargs(method, {**extra, keyword: dict(kwargs)}))
+    return [name for name, _ in targets]
 
 
 def disable(root: nn.Module) -> list[str]:
     """Turn checkpointing off everywhere :func:`enable` turns it on; returns the module names.
 
-    With nothing to switch off this does nothing. A custom module that can be switched on but has no
-    way to be switched off raises :class:`CheckpointingNotSupportedError`: it would go on checkpointing.
+    A custom module that can be switched on but has no way to be switched off raises
+    :class:`CheckpointingNotSupportedError`: it would go on checkpointing.
     """
     targets = checkpointable_modules(root)
     for name, module in targets:
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_disable(module)
-        else:
-            _disable_custom(name, module)
+            continue
+        method = getattr(module, "activation_checkpointing_disable", None)
+        if not callable(method):
+            method = getattr(module, "gradient_checkpointing_disable", None)
+        if not callable(method):
+            raise CheckpointingNotSupportedError(
+                f"Module '{name}' ({type(module).__name__}) defines gradient_checkpointing_enable() but no "
+                "gradient_checkpointing_disable(), so checkpointing cannot be switched off there. "
+                "Add gradient_checkpointing_disable() to that module."
+            )
+        method()
     return [name for name, _ in targets]
-
-
-def _disable_custom(name: str, module: nn.Module) -> None:
-    for method_name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
-        method = getattr(module, method_name, None)
-        if callable(method):
-            method()
-            return
-    raise CheckpointingNotSupportedError(
-        f"Module '{name}' ({type(module).__name__}) defines gradient_checkpointing_enable() but no "
-        "gradient_checkpointing_disable(), so checkpointing cannot be switched off there. "
-        "Add gradient_checkpointing_disable() to that module."
-    )
 
 
 @contextlib.contextmanager
 def switched_on(root: nn.Module) -> Iterator[None]:
-    """Checkpointing on inside the block, and back off after it (unless it was on already).
-
-    For a caller that checkpoints some passes only (``mini_batch_size="auto"`` may checkpoint its
-    graph passes): the model is left as it was found.
-    """
+    """Checkpointing on inside the block, and back off after it unless it was on already (for a caller
+    that checkpoints some passes only, such as ``mini_batch_size="auto"``)."""
     if is_enabled(root):
         yield
         return

@@ -1,17 +1,12 @@
-"""Peak memory of a block of code, measured rather than estimated.
+"""Peak memory of a block of code, measured rather than estimated, by one meter per device:
 
-Every memory claim st_ext makes (tests, benchmarks, the CLI's per-step report) goes through
-:func:`measure_peak`, so that all figures come from one meter per device and say which one:
-
-* CUDA: the caching allocator's own peak statistic (``torch.cuda.max_memory_allocated``) after
+* CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) after
   ``reset_peak_memory_stats``, minus what was allocated on entry.
-* CPU: the torch profiler's allocation events (``profile_memory=True``), replayed in time order;
-  the highest running total is the peak. It counts tensor storage only (not the Python heap), which
-  is exactly the part that activations, graphs and caches occupy.
+* CPU: the torch profiler's allocation events, replayed in time order. It counts tensor storage
+  only (not the Python heap), which is the part that activations, graphs and caches occupy.
 
-Figures are *above the level on entry*: memory already held before the block does not count.
-Measurements nest (a training step measured around a loss whose ``mini_batch_size="auto"`` probe
-measures too): the inner block's peak counts toward the outer one, and each reads its own window.
+Figures are above the level on entry. Measurements nest (a training step measured around a loss
+whose ``mini_batch_size="auto"`` probe measures too): the inner peak counts toward the outer one.
 """
 
 from __future__ import annotations
@@ -64,14 +59,10 @@ def measure_peak(device: str | torch.device | None = None) -> Iterator[PeakMemor
     True
     """
     device = resolve_device(device)
-    if device.type == "cuda":
-        with _measure_cuda(device) as result:
-            yield result
-    elif device.type == "cpu":
-        with _measure_cpu(device) as result:
-            yield result
-    else:
+    if device.type not in ("cuda", "cpu"):
         raise ValueError(f"measure_peak supports 'cpu' and 'cuda' devices, got {device}.")
+    with (_measure_cuda if device.type == "cuda" else _measure_cpu)(device) as result:
+        yield result
 
 
 @dataclass
@@ -80,7 +71,7 @@ class _CudaWindow:
     peak: int = 0
 
     def fold(self, device: torch.device) -> None:
-        """Take the allocator's peak since the last reset into this window, before a nested one resets it."""
+        """Take the allocator's peak since the last reset, before a nested window resets it."""
         self.peak = max(self.peak, torch.cuda.max_memory_allocated(device) - self.baseline)
 
 
@@ -111,8 +102,8 @@ def _measure_cuda(device: torch.device) -> Iterator[PeakMemory]:
 
 
 class _CpuWindow:
-    """One CPU measurement: its allocation events, gathered over the profiler runs it spans (a nested
-    measurement stops this one's profiler, runs its own, and hands its events back)."""
+    """One CPU measurement's allocation events, over the profiler runs it spans (only one profiler can
+    run at a time: a nested measurement stops this one's, runs its own, and hands its events back)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[int, int]] = []
@@ -132,7 +123,7 @@ class _CpuWindow:
         self._profiler = None
 
 
-#: Open CPU measurements, innermost last: only one torch profiler can run at a time.
+#: Open CPU measurements, innermost last.
 _CPU_WINDOWS: list[_CpuWindow] = []
 
 
@@ -159,8 +150,7 @@ def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
 @contextlib.contextmanager
 def _native_stderr_silenced() -> Iterator[None]:
     """The profiler's C++ side writes two lines per window to file descriptor 2 ("USDT ...
-    profiler_start/stop", and on stop a warning about blocks allocated before the window); a run that
-    measures every step would print them by the dozen. Python's own ``sys.stderr`` is untouched."""
+    profiler_start/stop", a warning about blocks allocated before the window): by the dozen in a run."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -177,11 +167,11 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 
 def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:
-    """Highest total of the blocks allocated inside the window and alive together, events replayed in time order.
+    """Highest total of the blocks allocated inside the window and alive together.
 
     A free counts only while a block of its size allocated inside the window is alive: the profiler
-    also reports frees of blocks allocated during an earlier profiled window (their size is known),
-    which would otherwise make room for the block's own allocations and hide them.
+    also reports frees of blocks allocated during an earlier profiled window, which would otherwise
+    make room for the block's own allocations and hide them.
     """
     alive_sizes: Counter[int] = Counter()
     running = peak = 0

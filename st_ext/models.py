@@ -1,26 +1,15 @@
 """Every upstream model archetype with complete checkpointing switches.
 
-``SentenceTransformer`` and ``CrossEncoder`` on every supported release, ``SparseEncoder`` from
-sentence-transformers 5.0 and ``MultiVectorEncoder`` from 6.0 (on older releases importing them
-raises an ImportError naming the release they need). Each is the upstream class (same constructor,
-loading and saving: a saved model holds only upstream module classes, so plain sentence-transformers
-loads it) plus :class:`CheckpointingMixin`, which adds the methods upstream lacks in some part of the
-supported range:
+Each is the upstream class (same constructor, loading and saving: a saved model holds only upstream
+module classes, so plain sentence-transformers loads it) plus :class:`CheckpointingMixin`, which adds
+the switches upstream lacks somewhere in the supported range: transformers 4's
+``gradient_checkpointing_*`` (CrossEncoder had none before sentence-transformers 5.0, and no release
+has ``disable``) and transformers 5's ``activation_checkpointing_*``, all reaching every Hugging Face
+model in the tree (:mod:`st_ext.checkpointing`).
 
-* ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing`` (the names of
-  transformers 4's Trainer; CrossEncoder had none before sentence-transformers 5.0, and no release
-  has ``disable``),
-* ``activation_checkpointing_enable/disable`` and ``is_activation_checkpointing`` (the names
-  transformers 5's Trainer calls first),
-
-all reaching every Hugging Face model in the tree (see :mod:`st_ext.checkpointing`), by the names
-the installed transformers prefers (never its deprecated ones).
-
-This module also stands in for upstream's ``sentence_transformers.models`` (the modules ``Transformer``,
-``Pooling``, ``Dense``…; on 6.x a deprecated path to ``sentence_transformers.sentence_transformer.modules``),
-so that ``from st_ext.models import Transformer, Pooling`` works as upstream's import does: every other
-name reads through to upstream's namespace, and ``__path__`` lets its submodule paths
-(``st_ext.models.tokenizer``…) import through :mod:`st_ext._upstream_aliases`.
+This module also stands in for upstream's ``sentence_transformers.models`` (``Transformer``,
+``Pooling``…): every other name reads through to upstream's namespace, and ``__path__`` lets its
+submodule paths (``st_ext.models.tokenizer``…) import through :mod:`st_ext._upstream_aliases`.
 """
 
 from __future__ import annotations
@@ -41,24 +30,16 @@ class CheckpointingMixin:
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> None:
         checkpointing.enable(self, gradient_checkpointing_kwargs, **kwargs)
 
-    def gradient_checkpointing_disable(self) -> None:
-        checkpointing.disable(self)
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return checkpointing.is_enabled(self)
-
     def activation_checkpointing_enable(
         self, activation_checkpointing_kwargs: dict | None = None, **kwargs: Any
     ) -> None:
         checkpointing.enable(self, activation_checkpointing_kwargs, **kwargs)
 
-    def activation_checkpointing_disable(self) -> None:
+    def gradient_checkpointing_disable(self) -> None:
         checkpointing.disable(self)
 
-    @property
-    def is_activation_checkpointing(self) -> bool:
-        return checkpointing.is_enabled(self)
+    activation_checkpointing_disable = gradient_checkpointing_disable
+    is_gradient_checkpointing = is_activation_checkpointing = property(checkpointing.is_enabled)
 
 
 class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTransformer):

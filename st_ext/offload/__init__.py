@@ -2,19 +2,14 @@
 
 - :func:`offload` / :func:`onload` move a frozen module off the accelerator (to CPU) and back;
   :func:`on_device` brings it onto a device for a ``with`` block and puts every tensor back after.
-- :func:`release` frees it for good (``meta`` tensors, references on ``holders``, optimizers and
-  hooks dropped, memory handed back) and returns a :class:`ReleaseReport`; a released module
-  raises :class:`ReleasedModuleError` when called.
-- :func:`leftovers` / :func:`assert_released` prove it: every tensor still alive, by name, with
-  what holds it (:class:`LeftoverReport`, :class:`LeftoverError`).
+- :func:`release` frees it for good and returns a :class:`ReleaseReport`; a released module raises
+  :class:`ReleasedModuleError` when used.
+- :func:`leftovers` / :func:`assert_released` name every tensor still alive and what holds it.
 - :func:`precompute_embeddings` encodes dataset columns once, then may release the encoder.
 
 A module being trained is refused (:class:`TrainableModuleError`) unless ``force=True``.
-
-Modules, lowest first: ``process_memory`` (meters, handing memory back), ``records`` (a module's
-tensors by name, and the records and reports of a release), ``guards`` (the exceptions and the
-checks that raise them), ``placement`` (moves, accelerate hooks), ``leftover_check`` (what is still
-alive and who holds it), ``releasing`` (:func:`release`) and ``precompute``.
+Modules, lowest first: ``process_memory``, ``records``, ``guards``, ``placement``,
+``leftover_check``, ``releasing``, ``precompute``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The refusals of st_ext.offload: its exceptions, and the checks and guard that raise them.
 
-Offloading or releasing a module that is being trained (a parameter that requires grad, or one in
-an optimizer passed in) is refused unless ``force=True``: moving it would silently break training.
-A released module carries its :class:`~st_ext.offload.ReleaseRecord` and forward pre-hooks that
-raise :class:`ReleasedModuleError`, so that using it again fails clearly. The exceptions live here
-too, so that every step can raise them; callers catch :class:`OffloadError` for any refusal.
+A module being trained (a parameter that requires grad, or one in an optimizer passed in) is not
+moved or released unless ``force=True``: that would silently break training. A released module
+raises :class:`ReleasedModuleError` when used again. Callers catch :class:`OffloadError` for any refusal.
 """
 
 from __future__ import annotations
@@ -36,10 +34,7 @@ class DispatchedModuleError(OffloadError):
 
 
 class LeftoverError(AssertionError):
-    """Something of a released module is still alive; raised by :func:`assert_released`.
-
-    An ``AssertionError`` because :func:`~st_ext.offload.assert_released` is meant for tests.
-    """
+    """Something of a released module is still alive; raised by :func:`assert_released`, which is meant for tests."""
 
 
 def refuse_if_trainable(
@@ -57,11 +52,10 @@ def refuse_if_trainable(
     """
     if force:
         return
+    groups = [group for optimizer in optimizers for group in getattr(optimizer, "param_groups", ())]
+    optimized_ids = {id(param) for group in groups for param in group["params"]}
     requiring_grad = [name for name, param in module.named_parameters() if param.requires_grad]
-    optimized_ids = _parameter_ids_in(optimizers)
     in_optimizer = [name for name, param in module.named_parameters() if id(param) in optimized_ids]
-    if not requiring_grad and not in_optimizer:
-        return
     reasons = []
     if requiring_grad:
         reasons.append(f"{len(requiring_grad)} parameters require grad (e.g. {first_names(requiring_grad)})")
@@ -69,12 +63,13 @@ def refuse_if_trainable(
         reasons.append(
             f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {first_names(in_optimizer)})"
         )
-    raise TrainableModuleError(
-        f"Refusing to {action} {describe_module(module)}: it is being trained: {'; '.join(reasons)}. "
-        "A frozen encoder (guide, teacher) does not need gradients: freeze it with "
-        "`module.requires_grad_(False)` and keep it out of the optimizer, or pass force=True to "
-        f"{action} it anyway."
-    )
+    if reasons:
+        raise TrainableModuleError(
+            f"Refusing to {action} {describe_module(module)}: it is being trained: {'; '.join(reasons)}. "
+            "A frozen encoder (guide, teacher) does not need gradients: freeze it with "
+            "`module.requires_grad_(False)` and keep it out of the optimizer, or pass force=True to "
+            f"{action} it anyway."
+        )
 
 
 def refuse_if_released(module: nn.Module) -> None:
@@ -89,25 +84,15 @@ def is_released(module: nn.Module) -> bool:
     return release_record_of(module) is not None
 
 
-def _parameter_ids_in(optimizers: Iterable[Any]) -> set[int]:
-    """Ids of every parameter in the ``param_groups`` of the given optimizers."""
-    ids = set()
-    for optimizer in optimizers:
-        for group in getattr(optimizer, "param_groups", ()):
-            ids.update(id(param) for param in group["params"])
-    return ids
-
-
-#: Methods of the released module itself that would read its (now meta) weights: saving would fail
-#: half-way with torch's meta-tensor error and leave a half-written folder, moving with the same error.
+#: Methods of the released module that would read its meta weights: saving would fail half-way with
+#: torch's meta-tensor error and leave a half-written folder, moving with the same error.
 GUARDED_METHODS = ("save", "save_pretrained", "save_to_hub", "push_to_hub", "to", "cuda", "cpu")
 
 
 def install_release_guard(module: nn.Module, record: ReleaseRecord) -> None:
-    """Make every call of the module or of any submodule raise :class:`ReleasedModuleError`, and so
-    saving or moving the module (:data:`GUARDED_METHODS`).
+    """Make calling the module or any submodule, or its :data:`GUARDED_METHODS`, raise :class:`ReleasedModuleError`.
 
-    On every submodule, not just the root: ``SentenceTransformer.encode`` calls ``self.forward``
+    Every submodule, not just the root: ``SentenceTransformer.encode`` calls ``self.forward``
     directly, which skips the root's hooks but not those of the modules it calls.
     """
     message = record.released_message()

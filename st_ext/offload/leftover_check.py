@@ -1,14 +1,10 @@
 """The leftover check: which tensors of a released module are still alive, and what holds them.
 
-A single forgotten reference is enough to keep everything. transformers maps a safetensors file
-into memory and every parameter's storage points into that one mapping, so one surviving 1.5 KB
-bias keeps the whole 90 MB of all-MiniLM-L6-v2 resident. Weak references to every parameter and
-buffer (and to their storages), recorded before the release, must be dead afterwards; anything
-still alive is reported by name, with what holds it and the memory before and after.
-
-Holders are traced through the objects Python's garbage collector tracks (attributes, closures,
-containers) and through autograd graphs hanging off live tensors; the walks are bounded, because
-each step scans the heap.
+One forgotten reference is enough to keep everything: transformers maps a safetensors file into
+memory and every parameter's storage points into that one mapping, so one surviving 1.5 KB bias
+keeps the whole 90 MB of all-MiniLM-L6-v2 resident. Holders are traced through the objects Python's
+garbage collector tracks and through autograd graphs hanging off live tensors; the walks are
+bounded, because each step scans the heap.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 import gc
 import re
 import types
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,33 +43,51 @@ def leftovers(target: nn.Module | ReleaseRecord | ReleaseReport) -> LeftoverRepo
 
     ``target`` is the released module, or the record/report :func:`release` returned (useful once
     the module itself is gone). A tensor counts as alive when its object is, or when its storage
-    is (a view, ``.detach()`` or ``.data`` of it survives). Holders are traced through the objects
-    Python's garbage collector tracks (attributes, closures, containers) and through autograd
-    graphs hanging off live tensors; what only C++ or a running function's locals hold is
+    is (a view, ``.detach()`` or ``.data`` of it survives). Holders are traced through attributes,
+    closures, containers and autograd graphs; what only C++ or a running function's locals hold is
     reported as untraced.
     """
-    record = _record_of(target)
-    return_freed_memory()
-    alive = _alive_tracked(record)
-    leftover_list = [
-        Leftover(
-            name=entry.name + (f" (= {', '.join(entry.aliases)})" if entry.aliases else ""),
-            kind=entry.kind,
-            nbytes=entry.nbytes,
-            device=entry.device,
-            how=how,
-            held_by=[],
+    if isinstance(target, ReleaseReport):
+        target = target.record
+    record = target if isinstance(target, ReleaseRecord) else release_record_of(target)
+    if record is None:
+        raise ValueError(
+            f"{describe_module(target) if isinstance(target, nn.Module) else type(target).__name__} "
+            "was not released; call st_ext.offload.release() on it first."
         )
-        for entry, how in alive
-    ]
-    leftover_list += _tensors_back_on_a_device(record)
+    return_freed_memory()
+    alive, found = [], []
+    for entry in record.tracked:
+        if entry.tensor_ref() is not None:
+            how = "the tensor object is still referenced"
+        elif entry.storage_ref is not None and entry.storage_ref() is not None:
+            how = "its memory is still shared by another live tensor (a view, .detach() or .data)"
+        else:
+            continue
+        alive.append(entry)
+        name = entry.name + (f" (= {', '.join(entry.aliases)})" if entry.aliases else "")
+        found.append(Leftover(name, entry.kind, entry.nbytes, entry.device, how, held_by=[]))
+    module = record.module_ref()
+    if module is not None:
+        for name, tensor in named_tensors(module):
+            if not tensor.is_meta:
+                found.append(
+                    Leftover(
+                        name=name,
+                        kind=tensor_kind(module, name),
+                        nbytes=tensor.numel() * tensor.element_size(),
+                        device=str(tensor.device),
+                        how=f"it is in the released module, on {tensor.device} (assigned after the release)",
+                        held_by=[record.description],
+                    )
+                )
     if alive:
-        _trace_holders(record, alive, leftover_list)
+        _trace_holders(alive, found)
     return LeftoverReport(
         description=record.description,
         tensor_count=len(record.tracked),
         tensor_bytes=record.tensor_bytes,
-        leftovers=leftover_list,
+        leftovers=found,
         memory_before=record.memory_before,
         memory_after=read_memory(record.devices),
     )
@@ -88,63 +101,21 @@ def assert_released(target: nn.Module | ReleaseRecord | ReleaseReport) -> Leftov
     return report
 
 
-def _record_of(target: Any) -> ReleaseRecord:
-    if isinstance(target, ReleaseRecord):
-        return target
-    if isinstance(target, ReleaseReport):
-        return target.record
-    record = release_record_of(target)
-    if record is None:
-        raise ValueError(
-            f"{describe_module(target) if isinstance(target, nn.Module) else type(target).__name__} "
-            "was not released; call st_ext.offload.release() on it first."
-        )
-    return record
-
-
-def _alive_tracked(record: ReleaseRecord) -> list[tuple[TrackedTensor, str]]:
-    """Tracked tensors whose object or storage is still alive, with which of the two."""
-    alive = []
-    for entry in record.tracked:
-        if entry.tensor_ref() is not None:
-            alive.append((entry, "the tensor object is still referenced"))
-        elif entry.storage_ref is not None and entry.storage_ref() is not None:
-            alive.append((entry, "its memory is still shared by another live tensor (a view, .detach() or .data)"))
-    return alive
-
-
-def _tensors_back_on_a_device(record: ReleaseRecord) -> list[Leftover]:
-    """Tensors that are in the released module again and not on ``meta`` (assigned afterwards)."""
-    module = record.module_ref()
-    if module is None:
-        return []
-    return [
-        Leftover(
-            name=name,
-            kind=tensor_kind(module, name),
-            nbytes=tensor.numel() * tensor.element_size(),
-            device=str(tensor.device),
-            how=f"it is in the released module, on {tensor.device} (assigned after the release)",
-            held_by=[record.description],
-        )
-        for name, tensor in named_tensors(module)
-        if not tensor.is_meta
-    ]
-
-
-def _trace_holders(record: ReleaseRecord, alive: list[tuple[TrackedTensor, str]], found: list[Leftover]) -> None:
-    """Fill ``held_by`` of the first leftovers (tracing is one heap scan per step, so bounded)."""
-    keys = {entry.storage_key for entry, _ in alive if entry.storage_key is not None}
+def _trace_holders(alive: list[TrackedTensor], found: list[Leftover]) -> None:
+    """Fill ``held_by`` of the first leftovers, which are ``alive`` in order."""
+    keys = {entry.storage_key for entry in alive if entry.storage_key is not None}
     sharing, graph_roots = _tensors_sharing_storage(keys)
     own_containers = {id(sharing), id(graph_roots), *map(id, sharing.values()), *map(id, graph_roots.values())}
     described: dict[int, list[str]] = {}
 
     def holders_of(obj: Any) -> list[str]:
         if id(obj) not in described:
-            described[id(obj)] = _holder_paths(obj, own_containers | {id(described)})
+            paths: list[str] = []
+            _climb(obj, [], own_containers | {id(described), id(paths)}, paths, depth=0)
+            described[id(obj)] = paths
         return described[id(obj)]
 
-    for index, (entry, _how) in enumerate(alive):
+    for index, entry in enumerate(alive):
         if index >= TRACED_LEFTOVERS_LIMIT:
             found[index].held_by = [f"not traced (only the first {TRACED_LEFTOVERS_LIMIT} leftovers are)"]
             continue
@@ -167,9 +138,6 @@ def _trace_holders(record: ReleaseRecord, alive: list[tuple[TrackedTensor, str]]
         ]
 
 
-# --------------------------------------------------------------------------- who holds a tensor
-
-
 def _tensors_sharing_storage(keys: set[tuple[str, int]]) -> tuple[dict, dict]:
     """Live tensors whose storage is one of ``keys``, and the outermost live tensors whose
     autograd graph saved such a storage for backward (an output computed with grad keeps the
@@ -185,84 +153,56 @@ def _tensors_sharing_storage(keys: set[tuple[str, int]]) -> tuple[dict, dict]:
     return sharing, _graph_roots_saving(keys, [tensor for tensor in live if tensor.grad_fn is not None])
 
 
-@dataclass
-class _GraphWalk:
-    """State shared by the walks from every live tensor with a ``grad_fn``.
+def _graph_roots_saving(keys: set, roots: list[torch.Tensor]) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """For each key, the outermost live tensors whose autograd graph saved that storage.
 
     Each node is walked once and belongs to the first root that reached it. Intermediate tensors
-    (hidden states saved for backward) are live tensors too; a root whose ``grad_fn`` another
-    root's walk reaches is "covered" by it, so that the graph is reported under its outermost
-    tensor, the one user code holds.
+    (hidden states saved for backward) are live roots too; a root whose ``grad_fn`` another root's
+    walk reaches is covered by it, so that a graph is reported under the tensor user code holds.
     """
-
-    keys: set
-    walked_by: dict[int, int] = field(default_factory=dict)
-    started_by: dict[int, int] = field(default_factory=dict)
-    covered_by: dict[int, int] = field(default_factory=dict)
-    kept_nodes: list = field(default_factory=list)  # keeps node ids unique while walking
-
-    def walk(self, root_index: int, start: Any) -> set:
-        """Keys among ``keys`` saved in the part of the graph first reached from ``start``."""
-        if id(start) in self.walked_by:
-            self._cover(self.walked_by[id(start)], over=root_index)
-            return set()
-        self.started_by[id(start)] = root_index
-        found, pending = set(), [start]
-        while pending and len(self.kept_nodes) < _GRAPH_NODES_LIMIT:
+    walked_by: dict[int, int] = {}
+    started_by: dict[int, int] = {}
+    covered_by: dict[int, int] = {}
+    kept_nodes: list = []  # keeps node ids unique while walking
+    found_by_root: dict[int, set] = {}
+    for index, root in enumerate(roots):
+        found = found_by_root[index] = set()
+        start = root.grad_fn
+        if id(start) in walked_by:
+            covered_by.setdefault(index, walked_by[id(start)])
+            continue
+        started_by[id(start)] = index
+        pending = [start]
+        while pending and len(kept_nodes) < _GRAPH_NODES_LIMIT:
             node = pending.pop()
             if node is None:
                 continue
-            if id(node) in self.walked_by:
-                other = self.started_by.get(id(node))
-                if other is not None and other != root_index:
-                    self._cover(root_index, over=other)
+            if id(node) in walked_by:
+                other = started_by.get(id(node))
+                if other is not None and other != index:
+                    covered_by.setdefault(other, index)
                 continue
-            self.walked_by[id(node)] = root_index
-            self.kept_nodes.append(node)
-            found.update(key for key in map(storage_key, autograd_node_tensors(node)) if key in self.keys)
+            walked_by[id(node)] = index
+            kept_nodes.append(node)
+            found.update(key for key in map(storage_key, autograd_node_tensors(node)) if key in keys)
             pending.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
-        return found
-
-    def _cover(self, outer: int, *, over: int) -> None:
-        if outer != over:
-            self.covered_by.setdefault(over, outer)
-
-    def outermost(self, index: int) -> int:
-        for _ in range(len(self.covered_by) + 1):
-            if index not in self.covered_by:
-                break
-            index = self.covered_by[index]
-        return index
-
-
-def _graph_roots_saving(keys: set, roots: list[torch.Tensor]) -> dict[tuple[str, int], list[torch.Tensor]]:
-    """For each key, the outermost live tensors whose autograd graph saved that storage."""
-    graph = _GraphWalk(keys)
-    found_by_root = {index: graph.walk(index, root.grad_fn) for index, root in enumerate(roots)}
     result: dict[tuple[str, int], list[torch.Tensor]] = {}
     for index, found in found_by_root.items():
-        outer = roots[graph.outermost(index)]
+        for _ in range(len(covered_by) + 1):
+            if index not in covered_by:
+                break
+            index = covered_by[index]
         for key in found:
             holders = result.setdefault(key, [])
-            if not any(holder is outer for holder in holders):
-                holders.append(outer)
+            if not any(holder is roots[index] for holder in holders):
+                holders.append(roots[index])
     return result
 
 
-def _holder_paths(obj: Any, ignore_ids: set[int]) -> list[str]:
-    """Readable paths from named owners down to ``obj``, e.g. ``MyLoss.cached_output`` or
-    ``Linear._forward_hooks[3] -> closure variable 'weight' of plant.<locals>.hook()``."""
-    paths: list[str] = []
-    _climb(obj, [], ignore_ids | {id(paths)}, paths, depth=0)
-    return paths
-
-
 def _climb(obj: Any, labels: list[str], ignore_ids: set[int], paths: list[str], depth: int) -> None:
-    """Depth-first search up the referrer graph until a named owner is reached.
-
-    Frames are passed over: the checker's own hold what it inspects, and what a running function's
-    locals hold is reported as such below.
-    """
+    """Add to ``paths`` readable paths from named owners down to ``obj``, e.g. ``MyLoss.cached_output`` or
+    ``Linear._forward_hooks[3] -> closure variable 'weight' of plant.<locals>.hook()``: a depth-first
+    search up the referrer graph, passing over frames (the checker's own hold what it inspects)."""
     if depth >= _HOLDER_DEPTH_LIMIT:
         paths.append(_render_path(labels + ["..."]))
         return
@@ -281,8 +221,7 @@ def _climb(obj: Any, labels: list[str], ignore_ids: set[int], paths: list[str], 
             _climb(next_obj, labels + [label], ignore_ids | {id(referrer)}, paths, depth + 1)
         if len(paths) >= _HOLDER_PATHS_LIMIT:
             return
-    if len(paths) == found_before and labels:
-        # Held by something gc does not track, typically a local variable of a running function.
+    if len(paths) == found_before and labels:  # something gc does not track holds it
         paths.append(_render_path(labels + ["<a local variable or C++ state>"]))
 
 
@@ -299,7 +238,9 @@ def _step(referrer: Any, child: Any) -> tuple[str | None, Any]:
         return _container_step(referrer, child)
     if isinstance(referrer, (types.FunctionType, types.MethodType)):
         return None, None
-    attribute = next((name for name, value in _attributes(referrer) if value is child), None)
+    attributes = _instance_dict(referrer)
+    items = attributes.items() if isinstance(attributes, dict) else ()
+    attribute = next((name for name, value in items if value is child), None)
     owner = type(referrer).__name__
     return (f"{owner}.{attribute}" if attribute else f"{owner} object"), None
 
@@ -356,16 +297,8 @@ def _instance_dict(obj: Any) -> dict | None:
         return None
 
 
-def _attributes(obj: Any) -> list[tuple[str, Any]]:
-    attributes = _instance_dict(obj)
-    return list(attributes.items()) if isinstance(attributes, dict) else []
-
-
 def _render_path(labels_inner_first: list[str]) -> str:
-    """Join edge labels from the outermost owner down to the object.
-
-    ``Loss._parameters['weight']`` reads as ``Loss.weight``, as it is written in code.
-    """
+    """Edge labels joined from the outermost owner down; ``Loss._parameters['weight']`` reads ``Loss.weight``."""
     text = ""
     for label in reversed(labels_inner_first):
         if not text:

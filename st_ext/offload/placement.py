@@ -1,10 +1,7 @@
 """Where a frozen module's tensors live: :func:`offload`, :func:`onload` and :func:`on_device`.
 
-A frozen encoder only needs the accelerator for its own forward pass; these move it there and
-away again, keeping its parameter objects so that optimizers and holders see the same tensors.
-accelerate's dispatch hooks are dealt with here too, because they decide placement: hooks left by
-a ``device_map`` dispatch would move inputs back to the devices of the map, and with cpu/disk
-offload they hold the weights themselves, which then cannot be moved here.
+A frozen encoder only needs the accelerator for its own forward pass; these move it there and away
+again, keeping its parameter objects so that optimizers and holders see the same tensors.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ def offload(
     back to the devices of the map on the next forward. The module keeps its parameter objects,
     so an optimizer or a loss that holds them still sees the same tensors.
     """
-    return _move_frozen(module, device, optimizers=optimizers, force=force, action="offload")
+    return _ready_to_move(module, optimizers, force, "offload").to(device)
 
 
 def onload(
@@ -55,15 +52,14 @@ def onload(
     force: bool = False,
 ) -> nn.Module:
     """Move a frozen, offloaded ``module`` back onto ``device``; returns it. See :func:`offload`."""
-    return _move_frozen(module, device, optimizers=optimizers, force=force, action="onload")
+    return _ready_to_move(module, optimizers, force, "onload").to(device)
 
 
-def _move_frozen(module, device, *, optimizers, force, action) -> nn.Module:
-    """Shared checks of offload/onload, then one ``module.to`` (which models may customise)."""
+def _ready_to_move(module: nn.Module, optimizers: Iterable[Any], force: bool, action: str) -> nn.Module:
     refuse_if_released(module)
     refuse_if_trainable(module, optimizers=optimizers, force=force, action=action)
     _remove_accelerate_hooks_for_move(module)
-    return module.to(device)
+    return module
 
 
 @contextlib.contextmanager
@@ -79,15 +75,11 @@ def on_device(
     >>> with on_device(guide, "cuda"):
     ...     guide_embeddings = guide.encode(texts, convert_to_tensor=True)
 
-    The original tensors are kept and swapped back in afterwards instead of being copied back: a
-    frozen module's weights do not change on the device, so leaving costs no transfer and the
-    module ends up with exactly the storages it had (also on several devices, as after a device
-    map). With ``force=True`` (a trainable module) the values are copied back into them instead,
-    so updates made on the device are kept.
+    The original tensors are swapped back in rather than copied back: a frozen module's weights do
+    not change on the device, so leaving costs no transfer and the module ends up with exactly the
+    storages it had. With ``force=True`` (a trainable module) the values are copied back into them.
     """
-    refuse_if_released(module)
-    refuse_if_trainable(module, optimizers=optimizers, force=force, action="move")
-    _remove_accelerate_hooks_for_move(module)
+    _ready_to_move(module, optimizers, force, "move")
     moved = _move_tensors_keeping_originals(module, torch.device(device))
     try:
         yield module
@@ -97,16 +89,12 @@ def on_device(
 
 @dataclass
 class _MovedTensor:
-    """One parameter or buffer moved by :func:`on_device`, with what to put back.
+    """``registry[name]`` moved by :func:`on_device`: ``original`` is its former ``.data`` when only the
+    data was swapped (the parameter object stayed), else the former tensor object, replaced in ``registry``."""
 
-    ``original`` is the tensor's former ``.data`` when only the data was swapped (the parameter
-    object stayed), else the former tensor object itself, which was replaced in its registry.
-    """
-
-    owner: nn.Module
+    registry: dict
     name: str
     original: torch.Tensor
-    is_parameter: bool
     object_replaced: bool
 
 
@@ -114,9 +102,8 @@ def _move_tensors_keeping_originals(module: nn.Module, device: torch.device) -> 
     """Move every parameter and buffer to ``device``; return the originals to restore later.
 
     A parameter keeps its identity where torch allows it (only ``.data`` changes, as with
-    ``nn.Module.to`` between CPU and CUDA), so optimizers and holders still see it; on devices
-    whose tensors cannot back an existing parameter (``meta``) a new parameter stands in for the
-    block. A tensor shared by two submodules is moved once and stays shared.
+    ``nn.Module.to`` between CPU and CUDA); on devices whose tensors cannot back an existing
+    parameter (``meta``) a new parameter stands in for the block. Shared tensors stay shared.
     """
     moved: list[_MovedTensor] = []
     stand_in_of: dict[int, torch.Tensor] = {}
@@ -126,14 +113,14 @@ def _move_tensors_keeping_originals(module: nn.Module, device: torch.device) -> 
                 if tensor is None:
                     continue
                 if id(tensor) not in stand_in_of:
-                    stand_in_of[id(tensor)] = _move_one(tensor, device, is_parameter, owner, name, moved)
+                    stand_in_of[id(tensor)] = _move_one(tensor, device, is_parameter, registry, name, moved)
                 elif stand_in_of[id(tensor)] is not tensor:
                     registry[name] = stand_in_of[id(tensor)]
-                    moved.append(_MovedTensor(owner, name, tensor, is_parameter, object_replaced=True))
+                    moved.append(_MovedTensor(registry, name, tensor, object_replaced=True))
     return moved
 
 
-def _move_one(tensor, device, is_parameter, owner, name, moved) -> torch.Tensor:
+def _move_one(tensor, device, is_parameter, registry, name, moved) -> torch.Tensor:
     """Move one tensor; record how to undo it in ``moved``; return what now stands in its place."""
     data = tensor.data
     copy = data.to(device)
@@ -141,28 +128,23 @@ def _move_one(tensor, device, is_parameter, owner, name, moved) -> torch.Tensor:
         return tensor
     if is_parameter and can_swap_parameter_data(tensor, copy):
         _swap_parameter_data(tensor, copy, device)
-        moved.append(_MovedTensor(owner, name, data, is_parameter, object_replaced=False))
+        moved.append(_MovedTensor(registry, name, data, object_replaced=False))
         return tensor
-    stand_in = nn.Parameter(copy, requires_grad=tensor.requires_grad) if is_parameter else copy
-    (own_parameters(owner) if is_parameter else own_buffers(owner))[name] = stand_in
-    moved.append(_MovedTensor(owner, name, tensor, is_parameter, object_replaced=True))
-    return stand_in
+    registry[name] = nn.Parameter(copy, requires_grad=tensor.requires_grad) if is_parameter else copy
+    moved.append(_MovedTensor(registry, name, tensor, object_replaced=True))
+    return registry[name]
 
 
 @torch.no_grad()
 def _put_back_originals(moved: list[_MovedTensor], *, copy_back: bool) -> None:
     """Undo :func:`_move_tensors_keeping_originals`, copying values back first when asked."""
     for entry in reversed(moved):
-        registry = own_parameters(entry.owner) if entry.is_parameter else own_buffers(entry.owner)
-        current = registry[entry.name]
-        copy_values = copy_back and current is not None and current.shape == entry.original.shape
+        current = entry.registry[entry.name]
+        if copy_back and current is not None and current.shape == entry.original.shape:
+            entry.original.data.copy_(current.data)
         if entry.object_replaced:
-            if copy_values:
-                entry.original.data.copy_(current.data)
-            registry[entry.name] = entry.original
+            entry.registry[entry.name] = entry.original
         else:
-            if copy_values:
-                entry.original.copy_(current.data)
             _swap_parameter_data(current, entry.original, entry.original.device)
 
 
@@ -177,19 +159,19 @@ def _swap_parameter_data(param: torch.Tensor, data: torch.Tensor, device: torch.
 
 
 # --------------------------------------------------------------------------- accelerate hooks
+# Hooks left by a device_map dispatch would move inputs back to the devices of the map; with cpu/disk
+# offload they hold the weights themselves.
 
 
 def _accelerate_hooked_modules(module: nn.Module) -> list[str]:
-    """Names of submodules carrying accelerate hooks (``_hf_hook`` or a replaced forward)."""
     return [name or "<root>" for name, submodule in module.named_modules() if has_accelerate_hook(submodule)]
 
 
 def remove_accelerate_hooks(module: nn.Module) -> bool:
     """Remove accelerate hooks from the whole tree; whether there were any.
 
-    Models that cache their placement hook (sentence-transformers 6 keeps it in
-    ``_accelerate_placement_hook`` and offers ``clear_placement_cache``) are told to forget it;
-    otherwise the cached hook would keep its offloaded weights alive and its device authoritative.
+    A placement hook a model caches (sentence-transformers 6's ``_accelerate_placement_hook``) is
+    forgotten too: it would keep its offloaded weights alive and its device authoritative.
     """
     if not _accelerate_hooked_modules(module):
         return False
@@ -202,11 +184,8 @@ def remove_accelerate_hooks(module: nn.Module) -> bool:
 
 
 def _remove_accelerate_hooks_for_move(module: nn.Module) -> None:
-    """Remove accelerate hooks before a move, or explain why the module cannot be moved.
-
-    With cpu/disk offload (``device_map`` with "cpu"/"disk", ``cpu_offload()``) the parameters are
-    ``meta`` placeholders and the weights live inside the hooks; removing the hooks would lose them.
-    """
+    """Remove accelerate hooks before a move, or refuse when they hold the weights (cpu/disk offload:
+    the parameters are ``meta`` placeholders, and removing the hooks would lose them)."""
     hooked = _accelerate_hooked_modules(module)
     if not hooked:
         return

@@ -1,8 +1,4 @@
-"""Precomputed embeddings: encode dataset columns once with a frozen encoder, then release it.
-
-:func:`precompute_embeddings` is "encode once, then release and check" for a
-``datasets.Dataset``; :func:`embedding_column_name` names the columns it adds, which losses read.
-"""
+"""Precomputed embeddings: encode ``datasets.Dataset`` columns once with a frozen encoder, then release it."""
 
 from __future__ import annotations
 

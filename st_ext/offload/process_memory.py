@@ -1,8 +1,5 @@
-"""This process's memory: reading it, and handing freed memory back to the system.
-
-A release is judged by what the meters show before and after; both the release and the leftover
-check first return freed memory (gc, the CUDA cache, the C heap) so that the readings move.
-"""
+"""This process's memory: reading it, and handing freed memory back to the system so that a
+release shows in the readings."""
 
 from __future__ import annotations
 
@@ -29,10 +26,6 @@ class MemoryReading:
     device: str
     meter: str
     bytes: int | None
-
-    def __str__(self) -> str:
-        shown = "n/a" if self.bytes is None else format_bytes(self.bytes)
-        return f"{self.device} ({self.meter}): {shown}"
 
 
 def process_rss_bytes() -> int | None:
@@ -71,18 +64,12 @@ def return_freed_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    malloc_trim = _malloc_trim_function()
-    if malloc_trim is not None:
-        malloc_trim(0)
-
-
-def can_trim_c_heap() -> bool:
-    """Whether :func:`return_freed_memory` can hand the C heap's free pages back (glibc)."""
-    return _malloc_trim_function() is not None
+    if glibc_malloc_trim() is not None:
+        glibc_malloc_trim()(0)
 
 
 @functools.cache
-def _malloc_trim_function() -> Any:
+def glibc_malloc_trim() -> Any:
     """glibc's ``malloc_trim`` through ctypes, or None off Linux / on another C library."""
     if not sys.platform.startswith("linux"):
         return None

@@ -1,10 +1,7 @@
-"""What a module holds, by name, and the records and reports made of it.
+"""A module's tensors by name, and the records and reports a release makes of them.
 
-Every step reports by name (refusals, release records, leftovers), so naming lives here, apart
-from the steps that use it: a module's tensors by name, the storage key that identifies their
-memory, readable descriptions, and the plain data a release produces. :class:`ReleaseRecord` is
-taken before a release (weak references only), :class:`LeftoverReport` is the result of the
-leftover check and :class:`ReleaseReport` the result of a release.
+:class:`ReleaseRecord` is taken before a release (weak references only), :class:`LeftoverReport` is
+the leftover check's result and :class:`ReleaseReport` the release's.
 """
 
 from __future__ import annotations
@@ -18,27 +15,20 @@ import torch
 from torch import nn
 
 from st_ext._compat import own_buffers, own_parameters, recorded_name_or_path
-from st_ext.offload.process_memory import MemoryReading, format_bytes
+from st_ext.offload.process_memory import MemoryReading, format_bytes, read_memory
 
 #: Only this many leftovers are traced (one heap scan per step) and listed in full.
 TRACED_LEFTOVERS_LIMIT = 12
-
-# --------------------------------------------------------------------------- naming
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter, buffer and plain tensor attribute of the tree, tied ones under each name."""
     for prefix, submodule in module.named_modules(remove_duplicate=False):
         dotted = f"{prefix}." if prefix else ""
-        for name, param in own_parameters(submodule).items():
-            if param is not None:
-                yield dotted + name, param
-        for name, buffer in own_buffers(submodule).items():
-            if buffer is not None:
-                yield dotted + name, buffer
-        for name, value in vars(submodule).items():
-            if isinstance(value, torch.Tensor):
-                yield dotted + name, value
+        for registry in (own_parameters(submodule), own_buffers(submodule), vars(submodule)):
+            for name, value in registry.items():
+                if isinstance(value, torch.Tensor):
+                    yield dotted + name, value
 
 
 def tensor_kind(module: nn.Module, name: str) -> str:
@@ -53,8 +43,7 @@ def tensor_kind(module: nn.Module, name: str) -> str:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """(device, address) of the tensor's memory, by which views and saved copies are matched;
-    None where torch offers no storage or it is empty."""
+    """(device, address) of the tensor's memory, by which views and saved copies are matched."""
     try:
         storage = tensor.untyped_storage()
         return (str(tensor.device), storage.data_ptr()) if storage.nbytes() else None
@@ -80,27 +69,17 @@ def describe_module(module: nn.Module) -> str:
     return f"{type(module).__name__}({path!r})" if path else type(module).__name__
 
 
-def reload_hint(module: nn.Module) -> str:
-    """How to get the module back after a release, for the error a released module raises."""
-    path = name_or_path_of(module)
-    if path is None:
-        return "Load it again from where it came from to use it (no name_or_path was recorded on it)."
-    loader = type(module).__name__ + (".from_pretrained" if hasattr(type(module), "from_pretrained") else "")
-    return f"Load it again to use it: {loader}({path!r})."
-
-
 def first_names(names: Sequence[str], count: int = 3) -> str:
-    """The first ``count`` names, quoted, for messages about many tensors."""
     shown = ", ".join(repr(name) for name in names[:count])
     return shown + (", ..." if len(names) > count else "")
 
 
-# --------------------------------------------------------------------------- records and reports
-
-
 @dataclass
 class TrackedTensor:
-    """What is known, without keeping it alive, about one tensor of a module before release."""
+    """One tensor of a module about to be released, known without keeping it alive.
+
+    Its storage is watched too: a view, ``.detach()`` or ``.data`` keeps the memory but not the tensor.
+    """
 
     name: str
     aliases: list[str]
@@ -114,10 +93,7 @@ class TrackedTensor:
 
 @dataclass
 class ReleaseRecord:
-    """Weak references and sizes of a module's tensors, taken just before :func:`release`.
-
-    Holds no strong reference to the module or its tensors, so keeping it costs nothing.
-    """
+    """Weak references and sizes of a module's tensors, taken just before :func:`release`."""
 
     description: str
     reload_hint: str
@@ -125,6 +101,38 @@ class ReleaseRecord:
     memory_before: list[MemoryReading]
     module_ref: weakref.ref
     guard_handles: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ReleaseRecord:
+        """Weak references to every distinct tensor of ``module`` not on ``meta``, and the memory now."""
+        by_id: dict[int, TrackedTensor] = {}
+        for name, tensor in named_tensors(module):
+            if id(tensor) in by_id:
+                by_id[id(tensor)].aliases.append(name)
+                continue
+            try:
+                storage_ref = weakref.ref(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError, TypeError):
+                storage_ref = None
+            by_id[id(tensor)] = TrackedTensor(
+                name=name,
+                aliases=[],
+                kind=tensor_kind(module, name),
+                nbytes=tensor.numel() * tensor.element_size(),
+                device=str(tensor.device),
+                tensor_ref=weakref.ref(tensor),
+                storage_ref=storage_ref,
+                storage_key=storage_key(tensor),
+            )
+        tracked = [entry for entry in by_id.values() if entry.device != "meta"]
+        path = name_or_path_of(module)
+        if path is None:
+            hint = "Load it again from where it came from to use it (no name_or_path was recorded on it)."
+        else:
+            loader = type(module).__name__ + (".from_pretrained" if hasattr(type(module), "from_pretrained") else "")
+            hint = f"Load it again to use it: {loader}({path!r})."
+        memory_before = read_memory({entry.device for entry in tracked})
+        return cls(describe_module(module), hint, tracked, memory_before, weakref.ref(module))
 
     @property
     def tensor_bytes(self) -> int:
@@ -183,29 +191,25 @@ class LeftoverReport:
     def leftover_bytes(self) -> int:
         return sum(leftover.nbytes for leftover in self.leftovers)
 
-    def memory_change_lines(self) -> list[str]:
-        lines = []
-        for before, after in zip(self.memory_before, self.memory_after):
-            if before.bytes is None or after.bytes is None:
-                lines.append(f"{before.device} ({before.meter}): n/a")
-                continue
-            change = after.bytes - before.bytes
-            lines.append(
-                f"{before.device} ({before.meter}): {format_bytes(before.bytes)} -> "
-                f"{format_bytes(after.bytes)} ({'+' if change >= 0 else '-'}{format_bytes(abs(change))})"
-            )
-        return lines
-
     def __str__(self) -> str:
         size = f"{self.tensor_count} tensors, {format_bytes(self.tensor_bytes)}"
         if self.ok:
-            head = f"{self.description} is fully released ({size}): no parameter or buffer is alive."
+            lines = [f"{self.description} is fully released ({size}): no parameter or buffer is alive."]
         else:
-            head = (
+            lines = [
                 f"{self.description}: {len(self.leftovers)} of {self.tensor_count} tensors still alive "
                 f"({format_bytes(self.leftover_bytes)} of {format_bytes(self.tensor_bytes)})."
+            ]
+        for before, after in zip(self.memory_before, self.memory_after):
+            meter = f"  memory {before.device} ({before.meter}): "
+            if before.bytes is None or after.bytes is None:
+                lines.append(meter + "n/a")
+                continue
+            change = after.bytes - before.bytes
+            lines.append(
+                f"{meter}{format_bytes(before.bytes)} -> {format_bytes(after.bytes)} "
+                f"({'+' if change >= 0 else '-'}{format_bytes(abs(change))})"
             )
-        lines = [head] + [f"  memory {line}" for line in self.memory_change_lines()]
         shown, rest = self.leftovers[:TRACED_LEFTOVERS_LIMIT], self.leftovers[TRACED_LEFTOVERS_LIMIT:]
         lines += [f"  - {leftover}" for leftover in shown]
         if rest:
