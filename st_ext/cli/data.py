@@ -1,8 +1,6 @@
-"""The rows ``st-ext train`` trains and evaluates on: a local file, a Hub dataset, or the built-in pairs.
-
-Each row is an anchor, its positive and, with ``negative_columns``, hard negatives: the columns the
-in-batch-negative losses take, in the order they take them. Every value is checked to be text and
-every file problem is named by its line, before a model is loaded.
+"""The rows ``st-ext train`` trains and evaluates on (anchor, positive, hard negatives): from a local file,
+a Hub dataset, or the built-in pairs. Every value is checked to be text and every file problem is named
+by its line, before a model is loaded.
 """
 
 from __future__ import annotations
@@ -120,8 +118,7 @@ def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> 
 
 
 def _check_readable(path: Path, setting: str) -> None:
-    """Opening the file now, not after the model loads: a file the user may not read (its mode, an
-    ACL, a file system) is one line here, and a PermissionError traceback later."""
+    """Opened now, not after the model loads: a file the user may not read is one line here, a traceback later."""
     try:
         with open(path, "rb"):
             pass
@@ -132,8 +129,8 @@ def _check_readable(path: Path, setting: str) -> None:
 
 
 def _check_text_file(path: Path, setting: str) -> None:
-    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line
-    number: the datasets library reports these without a place, or not at all."""
+    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line:
+    the datasets library reports these without a place, or not at all."""
     if path.stat().st_size == 0:
         raise ConfigError(f"{setting}: {path} is empty.")
     if path.suffix.lower() not in (".jsonl", ".csv"):
