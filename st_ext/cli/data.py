@@ -54,7 +54,13 @@ def check_data_path(setting: str, name: str) -> None:
             raise ConfigError(
                 f"{setting}: {path.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}."
             )
-        _check_readable(path, setting)
+        try:  # now, not after the model loads: one line here, a traceback then
+            with open(path, "rb"):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"{setting}: cannot read {path} ({error.strerror or error}); check its permissions."
+            ) from None
         return
     if path.suffix.lower() in DATA_FORMATS or not looks_like_hub_id(name):
         raise ConfigError(f"{setting}: {name!r} does not exist.")
@@ -115,17 +121,6 @@ def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> 
     if len(found.rows) < MIN_ROWS:
         raise ConfigError(f"data: {len(found.rows)} usable pairs; need at least {MIN_ROWS} to train and evaluate.")
     return found
-
-
-def _check_readable(path: Path, setting: str) -> None:
-    """Opened now, not after the model loads: a file the user may not read is one line here, a traceback later."""
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as error:
-        raise ConfigError(
-            f"{setting}: cannot read {path} ({error.strerror or error}); check its permissions."
-        ) from None
 
 
 def _check_text_file(path: Path, setting: str) -> None:

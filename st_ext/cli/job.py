@@ -68,8 +68,8 @@ def _setting(default: Any, help: str) -> Any:
 
 @dataclass
 class TrainConfig:
-    """st_ext's settings of one training run, each also a flag and a config-file key. The Trainer's own
-    (batch size, epochs, output_dir, checkpoints, ...) are :mod:`st_ext.cli.trainer_args`'."""
+    """st_ext's settings of one training run, each also a flag and a config-file key; the Trainer's own
+    (batch size, epochs, output_dir, checkpoints, ...) are in :mod:`st_ext.cli.trainer_args`."""
 
     model: str | None = _setting(None, "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2")
     data: str | None = _setting(

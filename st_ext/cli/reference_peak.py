@@ -29,11 +29,6 @@ FORWARD_BACKWARD = (
 )
 #: Short form of :data:`FORWARD_BACKWARD`, for the plot.
 FORWARD_BACKWARD_SHORT = "loss forward+backward, gradients included, optimizer excluded"
-#: The part of a registered name that marks GradCache.
-CACHED_MARK = "cached_"
-#: The part of a registered name that marks a cross-batch queue; the registry has no Matryoshka form of
-#: an uncached queue, and the queue holds no graph, so there the reference is the loss inside the queue.
-QUEUE_MARK = "xbm_"
 
 
 @dataclass(frozen=True)
@@ -57,9 +52,11 @@ def uncached_counterpart(loss_name: str) -> str | None:
     if not loss_spec(loss_name).cached:
         return None
     matryoshka = loss_name.startswith(MATRYOSHKA_PREFIX)
-    name = loss_name.removeprefix(MATRYOSHKA_PREFIX).replace(CACHED_MARK, "", 1)
+    name = loss_name.removeprefix(MATRYOSHKA_PREFIX).replace("cached_", "", 1)
     if matryoshka and not BASE_LOSSES[name].matryoshka:
-        name = name.removeprefix(QUEUE_MARK)
+        # No Matryoshka form of an uncached queue is registered; the queue holds no graph, so the loss
+        # inside it is the reference.
+        name = name.removeprefix("xbm_")
     counterpart = MATRYOSHKA_PREFIX + name if matryoshka else name
     spec, trained = BASE_LOSSES.get(name), loss_spec(loss_name)
     if (
