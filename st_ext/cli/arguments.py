@@ -1,15 +1,14 @@
-"""The ``st-ext train`` parser: st_ext's settings and the Trainer's, from flags and a config file.
-
-transformers' ``HfArgumentParser`` makes every field of :class:`st_ext.cli.job.TrainConfig` and of
-``SentenceTransformerTrainingArguments`` a flag (``--warmup-ratio 0.1`` or ``--warmup_ratio 0.1``)
-whose help shows its default. ``--config`` reads the same settings from a YAML or JSON file
-(``warmup_ratio: 0.1``); they become the parser's defaults, so flags win over the file.
+"""The ``st-ext train`` parser: every field of :class:`st_ext.cli.job.TrainConfig` and of
+``SentenceTransformerTrainingArguments`` is a flag (``HfArgumentParser``) and a key of the ``--config``
+YAML or JSON file, whose settings become the parser's defaults, so flags win over the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from transformers import HfArgumentParser
 from st_ext import SentenceTransformerTrainingArguments
 from st_ext._compat import parser_option
 from st_ext.cli.job import ConfigError, TrainConfig
-from st_ext.cli.settings import SettingError, convert_setting, convert_settings
 from st_ext.cli.trainer_args import ALIASES, TRAINER_DEFAULTS, trainer_field_names
 
 
@@ -41,11 +39,8 @@ class TrainParser(HfArgumentParser):
 
 
 def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumentParser:
-    """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults.
-
-    Flags must be spelt in full (``allow_abbrev=False``): among ~130 settings a prefix such as
-    ``--anchor_colum`` would otherwise silently become whichever flag it starts.
-    """
+    """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults. Flags must be
+    spelt in full: among ~130 settings a prefix such as ``--anchor_colum`` would silently become another."""
     parser = TrainParser(
         (TrainConfig, SentenceTransformerTrainingArguments),
         prog="st-ext train",
@@ -98,7 +93,7 @@ def parse_train_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, 
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
-    """Settings from a YAML/JSON file: a mapping whose keys are flags' names (aliases included)."""
+    """Settings from a YAML/JSON file (keys as the flags' names), each converted to its field's type."""
     if path.is_dir():
         raise ConfigError(f"config: {path} is a directory; pass a YAML or JSON file.")
     if not path.is_file():
@@ -128,14 +123,59 @@ def load_config_file(path: Path) -> dict[str, Any]:
     for alias, name in ALIASES.items():
         if alias in settings and name in settings:
             raise ConfigError(f"config: {alias} and {name} are the same setting; keep one.")
-    try:
-        converted = convert_settings(TrainConfig, settings, "config")
-        converted.update(convert_settings(SentenceTransformerTrainingArguments, settings, "config"))
-        for alias, name in ALIASES.items():
-            if alias in settings:
-                converted[name] = convert_setting(
-                    SentenceTransformerTrainingArguments, name, settings[alias], f"config: {alias}"
-                )
-    except SettingError as error:
-        raise ConfigError(str(error)) from None
+    hints = {**typing.get_type_hints(SentenceTransformerTrainingArguments), **typing.get_type_hints(TrainConfig)}
+    converted = {}
+    for key, value in settings.items():
+        name = ALIASES.get(key, key)
+        converted[name] = _convert(hints[name], value, f"config: {key}")
     return converted
+
+
+# A file's syntax types its values its own way (``batch_size: eight`` is text, ``learning_rate: 1e-4`` is
+# text under YAML 1.1, ``batch_size:`` is None): each becomes what its flag would have read, or is refused.
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _convert(annotation: Any, value: Any, where: str) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in (member for member in options if member is not type(None)):
+            try:
+                return _convert(option, value, where)
+            except ConfigError:
+                continue
+        expected = " or ".join(_describe(member) for member in options)
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}.")
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list ({_describe(item)} each), e.g. [384, 128], got {value!r}.")
+        return [_convert(item, element, where) for element in value]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        word = value.strip().lower() if isinstance(value, str) else None
+        if word in _TRUE + _FALSE:
+            return word in _TRUE
+        raise ConfigError(f"{where}: expected true or false, got {value!r}.")
+    if annotation in (int, float):
+        fractional = annotation is int and isinstance(value, float) and not value.is_integer()
+        if not (isinstance(value, bool) or value is None or fractional):
+            try:
+                return annotation(value if isinstance(value, float) else str(value).strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected {_describe(annotation)}, got {value!r}.")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected text, got {value!r}.")
+    return value
+
+
+def _describe(annotation: Any) -> str:
+    return {int: "an integer", float: "a number", str: "text", bool: "true or false", type(None): "nothing"}.get(
+        annotation, getattr(annotation, "__name__", str(annotation))
+    )

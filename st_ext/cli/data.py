@@ -1,8 +1,6 @@
-"""The rows ``st-ext train`` trains and evaluates on: a local file, a Hub dataset, or the built-in pairs.
-
-Each row is an anchor, its positive and, with ``negative_columns``, hard negatives: the columns the
-in-batch-negative losses take, in the order they take them. Every value is checked to be text and
-every file problem is named by its line, before a model is loaded.
+"""The rows ``st-ext train`` trains and evaluates on (anchor, positive, hard negatives): from a local file,
+a Hub dataset, or the built-in pairs. Every value is checked to be text and every file problem is named
+by its line, before a model is loaded.
 """
 
 from __future__ import annotations
@@ -56,7 +54,13 @@ def check_data_path(setting: str, name: str) -> None:
             raise ConfigError(
                 f"{setting}: {path.suffix!r} files are not supported; use one of {', '.join(DATA_FORMATS)}."
             )
-        _check_readable(path, setting)
+        try:  # now, not after the model loads: one line here, a traceback then
+            with open(path, "rb"):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"{setting}: cannot read {path} ({error.strerror or error}); check its permissions."
+            ) from None
         return
     if path.suffix.lower() in DATA_FORMATS or not looks_like_hub_id(name):
         raise ConfigError(f"{setting}: {name!r} does not exist.")
@@ -119,21 +123,9 @@ def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> 
     return found
 
 
-def _check_readable(path: Path, setting: str) -> None:
-    """Opening the file now, not after the model loads: a file the user may not read (its mode, an
-    ACL, a file system) is one line here, and a PermissionError traceback later."""
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as error:
-        raise ConfigError(
-            f"{setting}: cannot read {path} ({error.strerror or error}); check its permissions."
-        ) from None
-
-
 def _check_text_file(path: Path, setting: str) -> None:
-    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line
-    number: the datasets library reports these without a place, or not at all."""
+    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line:
+    the datasets library reports these without a place, or not at all."""
     if path.stat().st_size == 0:
         raise ConfigError(f"{setting}: {path} is empty.")
     if path.suffix.lower() not in (".jsonl", ".csv"):

@@ -1,9 +1,8 @@
 """The built-in training data: standard-library function names paired with their docstring summaries.
 
-Every Python install has it offline, it is real text written by people, and it makes a retrieval
-task with a clear answer (find the summary of ``os.path.join`` from ``"os path join"``). The
-set is deterministic for a given Python version: modules in a fixed order, members sorted by name,
-duplicate summaries dropped.
+Every Python install has it offline, it is text written by people, and it makes a retrieval task with
+a clear answer (``"os path join"`` -> the summary of ``os.path.join``). It is deterministic for a given
+Python version: modules in a fixed order, members sorted by name, duplicate summaries dropped.
 """
 
 from __future__ import annotations
@@ -11,93 +10,16 @@ from __future__ import annotations
 import importlib
 import inspect
 
-MODULES = (
-    "os",
-    "os.path",
-    "shutil",
-    "pathlib",
-    "glob",
-    "fnmatch",
-    "string",
-    "textwrap",
-    "re",
-    "difflib",
-    "json",
-    "csv",
-    "base64",
-    "binascii",
-    "hashlib",
-    "zlib",
-    "gzip",
-    "bz2",
-    "lzma",
-    "tarfile",
-    "zipfile",
-    "math",
-    "cmath",
-    "statistics",
-    "random",
-    "decimal",
-    "fractions",
-    "itertools",
-    "functools",
-    "operator",
-    "collections",
-    "heapq",
-    "bisect",
-    "copy",
-    "pprint",
-    "datetime",
-    "calendar",
-    "time",
-    "locale",
-    "inspect",
-    "types",
-    "typing",
-    "contextlib",
-    "abc",
-    "warnings",
-    "traceback",
-    "logging",
-    "argparse",
-    "urllib.parse",
-    "html",
-    "email.utils",
-    "ipaddress",
-    "socket",
-    "select",
-    "subprocess",
-    "threading",
-    "queue",
-    "sched",
-    "tempfile",
-    "filecmp",
-    "stat",
-    "platform",
-    "sys",
-    "unicodedata",
-    "codecs",
-    "struct",
-    "array",
-    "weakref",
-    "gc",
-    "dis",
-    "ast",
-    "tokenize",
-    "keyword",
-    "builtins",
-    "io",
-    "pickle",
-    "shelve",
-    "sqlite3",
-    "uuid",
-    "secrets",
-    "hmac",
-    "mimetypes",
-    "colorsys",
-    "wave",
-    "doctest",
-    "unittest",
+MODULES = tuple(
+    """
+    os os.path shutil pathlib glob fnmatch string textwrap re difflib json csv base64 binascii hashlib
+    zlib gzip bz2 lzma tarfile zipfile math cmath statistics random decimal fractions itertools
+    functools operator collections heapq bisect copy pprint datetime calendar time locale inspect types
+    typing contextlib abc warnings traceback logging argparse urllib.parse html email.utils ipaddress
+    socket select subprocess threading queue sched tempfile filecmp stat platform sys unicodedata codecs
+    struct array weakref gc dis ast tokenize keyword builtins io pickle shelve sqlite3 uuid secrets hmac
+    mimetypes colorsys wave doctest unittest
+    """.split()
 )
 
 

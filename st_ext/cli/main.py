@@ -1,21 +1,16 @@
-"""The ``st-ext`` command (also ``python -m st_ext``).
-
-``st-ext train`` with no arguments trains the packaged all-MiniLM-L6-v2 on the built-in pairs; its
-settings are in :mod:`st_ext.cli.arguments`. This module imports nothing heavy, so ``st-ext --help``
-and a mistyped command answer at once; torch and sentence-transformers load when ``train`` runs
-(its help lists the Trainer's arguments, so it loads them too). A bad setting ends the command with
-one line saying what to fix and exit status 2.
+"""The ``st-ext`` command (also ``python -m st_ext``). This module imports nothing heavy, so ``st-ext
+--help`` and a mistyped command answer at once; torch and sentence-transformers load when ``train`` runs.
+A bad setting ends the command with one line saying what to fix and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
-#: argparse names the command this way in its own errors ("st-ext train: error: ..."); st_ext's say the same.
-ERROR_PREFIX = "st-ext train: error:"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    namespace, rest = build_parser().parse_known_args(argv)
-    if namespace.command == "train":
-        return train(rest)
-    raise AssertionError(f"no handler for command {namespace.command!r}")
+    _, rest = build_parser().parse_known_args(argv)  # "train", the one command, parses the rest
+    return train(rest)
 
 
 def train(argv: list[str]) -> int:
@@ -55,7 +48,7 @@ def train(argv: list[str]) -> int:
         output_dir = trainer_settings["output_dir"]
         job.run(config, trainer_settings, verbose=namespace.verbose)
     except job.ConfigError as error:
-        print(f"{ERROR_PREFIX} {error}", file=sys.stderr)
+        print(f"st-ext train: error: {error}", file=sys.stderr)  # as argparse's own errors start
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"st-ext train: interrupted; {interrupted_summary(output_dir)}.", file=sys.stderr)
@@ -65,8 +58,6 @@ def train(argv: list[str]) -> int:
 
 def interrupted_summary(output_dir: str | None) -> str:
     """What an interrupted run left: the previous results, and the checkpoints saved so far."""
-    from pathlib import Path
-
     from st_ext.cli.trainer_args import checkpoint_folder
 
     if output_dir is None:

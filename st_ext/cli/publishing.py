@@ -1,27 +1,17 @@
 """Publish a run's results over an earlier run's so that a kill or a full disk leaves one of the two whole.
 
-``st-ext train`` writes everything a run produces (``model/``, ``metrics.json``, the CSV, the plots)
-into a hidden staging folder inside the output directory. Nothing there is touched until the
-staging folder is complete and marked so; then:
-
-    1. every earlier entry of the same name is moved into a hidden ``.run.previous`` folder;
-    2. every staged entry is moved into the output directory;
-    3. ``.run.previous`` and the emptied staging folder are deleted.
-
-Each move is a rename within one file system, which a kill cannot split. :func:`recover` (run before
-the next run writes anything) reads what a killed run left: a marked staging folder is published
-(steps 1 to 3, for what is still staged); an unmarked one is deleted, and entries moved aside
-without a complete run to replace them are moved back. The output directory therefore always holds
-one run's results, never a mix: a run that fails to write (a full disk) leaves the earlier results
-as they were. Files the user put in the output directory under other names are never touched.
-Stale trainer folders (``.trainer-*``, where the trainer writes while it runs) are deleted too.
+A run writes everything into a hidden staging folder in the output directory and marks it complete;
+then (1) each earlier entry of the same name moves into ``.run.previous``, (2) each staged entry moves
+in, (3) ``.run.previous`` and the staging folder are deleted. Each move is a rename, which a kill
+cannot split. :func:`recover`, before the next run writes, publishes a marked staging folder, deletes
+an unmarked one and moves back what was moved aside for it, so the output directory holds one run's
+results, never a mix. Other files there are never touched.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 #: Written into a staging folder once everything in it is written.
@@ -31,12 +21,8 @@ PREVIOUS = ".run.previous"
 TRAINER_PREFIX = ".trainer-"
 
 
-def _no_fault(step: str) -> None:
-    """Where a test injects a kill: called after each step of the swap with the step's name."""
-
-
-#: Replaced by tests to simulate a kill between the steps of :func:`publish`.
-fault_point: Callable[[str], None] = _no_fault
+def fault_point(step: str) -> None:
+    """Called after each step of the swap with its name: where tests inject a kill."""
 
 
 def _hidden_folder(output_dir: Path, prefix: str) -> Path:
@@ -49,12 +35,11 @@ def _hidden_folder(output_dir: Path, prefix: str) -> Path:
 
 
 def staging_folder(output_dir: Path) -> Path:
-    """A new hidden folder in ``output_dir`` to write a run's results into."""
     return _hidden_folder(output_dir, STAGING_PREFIX)
 
 
 def trainer_folder(output_dir: Path) -> Path:
-    """A new hidden folder in ``output_dir`` for the trainer's own files while it runs; delete it after."""
+    """For the trainer's own files while it runs; delete it after (:func:`recover` deletes stale ones)."""
     return _hidden_folder(output_dir, TRAINER_PREFIX)
 
 

@@ -1,13 +1,10 @@
 """The memory plot's reference: the trained loss without caching, measured on the first step's batch.
 
-What caching saves is the gap between the cached loss's forward and backward and the same loss's
-without caching; the optimizer's update and state are the same either way, so both figures leave
-them out (:data:`FORWARD_BACKWARD`). The reference is the trained loss's own family with caching
-taken out (``matryoshka_cached_gist`` -> ``matryoshka_gist``, ``cached_mnrl`` -> ``mnrl``,
-``xbm_cached_mnrl`` -> ``xbm_mnrl``), read off the loss registry, with the trained loss's guide
-arrangement (the precomputed table, the offloaded or the resident guide) and its cross-batch queue.
-It runs once, just before the first training step, on that step's batch, from the same level of
-memory the step starts at; the model's gradients and the random state are put back afterwards, so
+What caching saves is the gap between the two losses' forward and backward; the optimizer's update and
+state are the same either way, so both figures leave them out (:data:`FORWARD_BACKWARD`). The reference
+(``matryoshka_cached_gist`` -> ``matryoshka_gist``, ``xbm_cached_mnrl`` -> ``xbm_mnrl``) keeps the
+trained loss's guide arrangement and cross-batch queue. It runs once, just before the first step, from
+the level of memory the step starts at; the gradients and the random state are put back afterwards, so
 the run trains exactly as it would without it.
 """
 
@@ -32,11 +29,6 @@ FORWARD_BACKWARD = (
 )
 #: Short form of :data:`FORWARD_BACKWARD`, for the plot.
 FORWARD_BACKWARD_SHORT = "loss forward+backward, gradients included, optimizer excluded"
-#: The part of a registered name that marks GradCache.
-CACHED_MARK = "cached_"
-#: The part of a registered name that marks a cross-batch queue; the registry has no Matryoshka form of
-#: an uncached queue, and the queue holds no graph, so there the reference is the loss inside the queue.
-QUEUE_MARK = "xbm_"
 
 
 @dataclass(frozen=True)
@@ -55,17 +47,16 @@ class ReferencePeak:
 
 
 def uncached_counterpart(loss_name: str) -> str | None:
-    """The registered loss that ``loss_name`` is with caching taken out, or None for a loss that does not cache.
-
-    The registry names a cached loss ``cached_<base>`` (inside an ``xbm_`` queue and a ``matryoshka_``
-    wrapper where there is one) next to its uncached ``<base>``.
-    """
+    """The registered loss that ``loss_name`` is with caching taken out, or None for a loss that does not
+    cache: the registry names a cached loss ``[matryoshka_][xbm_]cached_<base>`` next to its uncached form."""
     if not loss_spec(loss_name).cached:
         return None
     matryoshka = loss_name.startswith(MATRYOSHKA_PREFIX)
-    name = loss_name.removeprefix(MATRYOSHKA_PREFIX).replace(CACHED_MARK, "", 1)
+    name = loss_name.removeprefix(MATRYOSHKA_PREFIX).replace("cached_", "", 1)
     if matryoshka and not BASE_LOSSES[name].matryoshka:
-        name = name.removeprefix(QUEUE_MARK)
+        # No Matryoshka form of an uncached queue is registered; the queue holds no graph, so the loss
+        # inside it is the reference.
+        name = name.removeprefix("xbm_")
     counterpart = MATRYOSHKA_PREFIX + name if matryoshka else name
     spec, trained = BASE_LOSSES.get(name), loss_spec(loss_name)
     if (
@@ -78,9 +69,8 @@ def uncached_counterpart(loss_name: str) -> str | None:
 
 
 def build_reference_loss(loss_name: str, trained_loss, model, dims: list[int]):
-    """The uncached counterpart of ``trained_loss`` (registered as ``loss_name``), or None: its guide is
-    the trained loss's as the trainer left it (a precomputed table, an offloaded or a resident guide),
-    and its cross-batch queue holds the trained loss's rows."""
+    """The uncached counterpart of ``trained_loss`` (registered as ``loss_name``), or None, with the trained
+    loss's guide as the trainer left it and its cross-batch queue's rows."""
     counterpart = uncached_counterpart(loss_name)
     if counterpart is None:
         return None
@@ -167,8 +157,8 @@ class FirstBatchKept:
 
 
 class UncachedReference:
-    """Measures the trained loss's uncached counterpart once, just before the trainer's first step (call
-    :meth:`before_first_step` then), on that step's batch; ``result`` is None for a loss that does not cache."""
+    """Measures the trained loss's uncached counterpart on the first step's batch when
+    :meth:`before_first_step` is called; ``result`` stays None for a loss that does not cache."""
 
     def __init__(self, loss_name: str, trainer, dims: list[int], device: str):
         self.loss_name, self.trainer, self.dims, self.device = loss_name, trainer, dims, device

@@ -1,7 +1,5 @@
-"""What a training run leaves behind: a per-step memory CSV, metric tables and plots.
-
-The job writes them into a staging folder that it publishes whole (:mod:`st_ext.cli.publishing`),
-so they are written plainly here, with the user's umask.
+"""What a training run leaves behind: a per-step memory CSV, the metrics and plots, written plainly (with
+the user's umask) into the staging folder the job publishes whole (:mod:`st_ext.cli.publishing`).
 """
 
 from __future__ import annotations
@@ -27,14 +25,15 @@ def write_file(path: Path, data: bytes | str) -> Path:
 
 
 class StepMemoryRecorder(TrainerCallback):
-    """Measures each optimizer step with :func:`st_ext.memory.measure_peak` twice over: the whole step
-    (``peak_mib``: what ``mini_batch_size="auto"``'s budget bounds), and its part up to the optimizer's
-    update (``forward_backward_peak_mib``: the loss's forward and backward, gradients included, which is
-    what caching changes; None where the trainer gave no ``on_pre_optimizer_step``).
+    """Measures each optimizer step twice over: the whole step (``peak_mib``: what ``mini_batch_size="auto"``'s
+    budget bounds), and its part up to the optimizer's update (``forward_backward_peak_mib``: what caching
+    changes; None where the trainer gave no ``on_pre_optimizer_step``).
 
     ``before_first_step`` runs once, before the first step's measurement opens (the uncached reference
     is measured there, on that step's batch).
     """
+
+    COLUMNS = ("step", "peak_mib", "forward_backward_peak_mib", "seconds", "device", "meter")
 
     def __init__(self, device, before_first_step: Callable[[], None] | None = None):
         self.device = device
@@ -59,9 +58,7 @@ class StepMemoryRecorder(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._inner is not None:
-            self._inner.__exit__(None, None, None)
-            self._forward_backward = round(self._inner_peak.peak_mib, 2)
-            self._inner = self._inner_peak = None
+            self._forward_backward = round(self._close_inner().peak_mib, 2)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._active is None:
@@ -80,12 +77,13 @@ class StepMemoryRecorder(TrainerCallback):
         )
         self._active = self._peak = None
 
-    def _close_inner(self) -> None:
-        """Close the forward-and-backward window if the optimizer's update did not (measurements nest: it
-        closes before the step's); it spanned the whole step then, so it records nothing."""
-        if self._inner is not None:
-            inner, self._inner, self._inner_peak = self._inner, None, None
+    def _close_inner(self) -> PeakMemory | None:
+        """Close the forward-and-backward window (measurements nest: it closes before the step's). Closed
+        here by the step's end, it spanned the whole step and records nothing."""
+        inner, peak, self._inner, self._inner_peak = self._inner, self._inner_peak, None, None
+        if inner is not None:
             inner.__exit__(None, None, None)
+        return peak
 
     def stop(self) -> None:
         """End the measurement of a step that will not end (an interrupt, an error), unrecorded: on the
@@ -97,37 +95,22 @@ class StepMemoryRecorder(TrainerCallback):
 
     def write_csv(self, path: Path) -> Path:
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(buffer, fieldnames=self.COLUMNS)
         writer.writeheader()
         writer.writerows(self.rows)
         return write_file(path, buffer.getvalue())
 
 
-#: The per-step CSV's columns.
-CSV_COLUMNS = ["step", "peak_mib", "forward_backward_peak_mib", "seconds", "device", "meter"]
-
-
-def write_metrics(path: Path, before: dict, after: dict, report: dict | None = None) -> Path:
-    """Metrics before and after training, per Matryoshka dim, and the run's ``report`` (settings, data,
-    memory, time, versions), as JSON."""
+def write_metrics(path: Path, before: dict, after: dict, report: dict) -> Path:
+    """Metrics before and after training, per Matryoshka dim, and the run's ``report``, as JSON."""
     payload = {"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in after.items()}}
-    return write_file(path, json.dumps({**payload, **(report or {})}, indent=2))
+    return write_file(path, json.dumps({**payload, **report}, indent=2))
 
 
-#: What every memory figure of a run counts; the CSV's meter column names the instrument.
-MEMORY_MEANING = "peak above the level at step start"
-
-
-def plot_memory(path: Path, rows: list[dict], reference=None, loss: str = "trained loss") -> Path:
-    """:func:`memory_figure` as a PNG."""
-    return _save(memory_figure(rows, reference, loss), path)
-
-
-def memory_figure(rows: list[dict], reference=None, loss: str = "trained loss"):
+def plot_memory(path: Path, rows: list[dict], reference, loss: str) -> Path:
     """Each step's forward-and-backward peak of ``loss`` from zero and, as a dashed line, the same figure of
-    the loss without caching on the first step's batch (a :class:`~st_ext.cli.reference_peak.ReferencePeak`).
-    Both count the same (:data:`~st_ext.cli.reference_peak.FORWARD_BACKWARD`); the whole
-    step's peak, the optimizer's update and state included, is the CSV's ``peak_mib``."""
+    the loss without caching on the first step's batch (a :class:`~st_ext.cli.reference_peak.ReferencePeak`),
+    as a PNG. The whole step's peak, the optimizer's update and state included, is the CSV's ``peak_mib``."""
     from matplotlib.ticker import MaxNLocator
 
     from st_ext.cli.reference_peak import FORWARD_BACKWARD_SHORT
@@ -152,11 +135,11 @@ def memory_figure(rows: list[dict], reference=None, loss: str = "trained loss"):
     axes.set_ylim(0, max(tops, default=1.0) * 1.15 or 1.0)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
-    axes.set_ylabel(f"MiB: forward+backward {MEMORY_MEANING}", fontsize=9)
+    axes.set_ylabel("MiB: forward+backward peak above the level at step start", fontsize=9)
     meter = rows[0]["meter"] if rows else "no steps"
     axes.set_title(f"Peak memory per step, both lines: {FORWARD_BACKWARD_SHORT}\n({meter})", fontsize=8)
     axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    return figure
+    return _save(figure, path)
 
 
 def plot_metric_by_dim(path: Path, before: dict, after: dict, metric: str = "ndcg@10") -> Path:

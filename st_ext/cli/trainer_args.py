@@ -1,10 +1,6 @@
-"""The Trainer's own arguments in ``st-ext train``: every ``SentenceTransformerTrainingArguments`` field.
-
-Checkpoints and resume, warmup, bf16/fp16, gradient accumulation, ``report_to`` and the rest work from
-the command line and the config file under the Trainer's own names (``--warmup-ratio 0.1``,
-``save_steps: 50``), as in any ``HfArgumentParser`` script. The command changes only the defaults in
-:data:`TRAINER_DEFAULTS` and decides where the Trainer writes: the results go to ``output_dir``, the
-checkpoints (when ``save_strategy`` is not ``no``) to ``output_dir/checkpoints``.
+"""The Trainer's own arguments in ``st-ext train``: every ``SentenceTransformerTrainingArguments`` field,
+under its own name, as in any ``HfArgumentParser`` script. The command changes only the defaults
+(:data:`TRAINER_DEFAULTS`) and where the Trainer writes: checkpoints go to ``output_dir/checkpoints``.
 """
 
 from __future__ import annotations
@@ -36,14 +32,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 #: Shorter names the command also takes, as flags (``--batch-size``) and config keys, and names settings by.
 ALIASES = {"batch_size": "per_device_train_batch_size", "epochs": "num_train_epochs"}
 
-#: Inside ``output_dir``: the Trainer's ``checkpoint-N`` folders.
-CHECKPOINTS = "checkpoints"
 #: ``--resume-from-checkpoint last``: the newest checkpoint in ``output_dir/checkpoints``.
 LAST_CHECKPOINT = "last"
-
-
-class TrainerArgumentError(ConfigError):
-    """Trainer arguments that cannot work together; the message is one line naming them."""
 
 
 def trainer_field_names() -> list[str]:
@@ -55,28 +45,20 @@ def setting_name(field_name: str) -> str:
     return next((alias for alias, name in ALIASES.items() if name == field_name), field_name)
 
 
-def with_defaults(settings: dict[str, Any] | None) -> dict[str, Any]:
-    return {**TRAINER_DEFAULTS, **(settings or {})}
-
-
 def training_arguments(
     settings: dict[str, Any], output_dir: str, use_cpu: bool
 ) -> SentenceTransformerTrainingArguments:
-    """The Trainer's arguments from ``settings`` (field name -> value), writing into ``output_dir``.
-
-    ``use_cpu`` is the command's choice (True without CUDA) unless the settings ask for the CPU. The
-    arguments' own checks (bf16 without support, a ``load_best_model_at_end`` without matching
-    strategies, ...) become one line.
-    """
+    """The Trainer's arguments from ``settings``, writing into ``output_dir``, on the CPU if ``use_cpu``
+    or the settings say so; the arguments' own checks (bf16 without support, ...) become one line."""
     values = {**settings, "output_dir": output_dir, "use_cpu": bool(settings.get("use_cpu")) or use_cpu}
     try:
         return SentenceTransformerTrainingArguments(**values)
     except (ValueError, TypeError) as error:
-        raise TrainerArgumentError(f"trainer arguments: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"trainer arguments: {' '.join(str(error).split())}") from None
 
 
 def checkpoint_folder(results_dir: Path) -> Path:
-    return results_dir / CHECKPOINTS
+    return results_dir / "checkpoints"
 
 
 def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None:
@@ -88,14 +70,14 @@ def resume_checkpoint(settings: dict[str, Any], results_dir: Path) -> str | None
         folder = checkpoint_folder(results_dir)
         found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
         if found is None:
-            raise TrainerArgumentError(
+            raise ConfigError(
                 f"resume_from_checkpoint: no checkpoint in {folder}; train with --save-strategy steps (or epoch) first, "
                 "or pass a checkpoint folder."
             )
         return found
     path = Path(str(wanted))
     if not (path / "trainer_state.json").is_file():
-        raise TrainerArgumentError(
+        raise ConfigError(
             f"resume_from_checkpoint: {path} is not a checkpoint (it has no trainer_state.json); pass a checkpoint-N "
             f"folder or '{LAST_CHECKPOINT}'."
         )
@@ -108,14 +90,6 @@ def checkpoint_step(checkpoint: str) -> int:
     try:
         return int(json.loads(state.read_text())["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise TrainerArgumentError(
+        raise ConfigError(
             f"resume_from_checkpoint: {state} cannot be read as the Trainer's state; pass another checkpoint-N folder."
         ) from None
-
-
-def steps_left(step: int, settings: dict[str, Any]) -> bool:
-    """Whether a run resumed at ``step`` has steps to train: False once ``max_steps`` is reached. A run by
-    epochs (``max_steps`` -1) counts as having steps left: their number depends on the data and the
-    Trainer's batching, so the job asks the Trainer, which trains none if there are none."""
-    max_steps = settings.get("max_steps", -1)
-    return max_steps is None or max_steps <= 0 or step < max_steps
