@@ -41,23 +41,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from st_ext._compat import is_gradient_caching, loss_model, st_losses
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    LossFn,
-    LossStep,
-    as_cached_loss,
-    register_cached_loss,
-    with_loss,
-)
+from st_ext.losses.cached_loss import CachedLoss, LossFn, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
-from st_ext.losses.gradcache import (
-    Features,
-    Reps,
-    batch_size_of,
-    chunked_rows,
-    gradcache_forward,
-    row_keys,
-)
+from st_ext.losses.gradcache import Features, Reps, batch_size_of, chunked_rows, gradcache_forward, row_keys
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
 logger = logging.getLogger(__name__)
@@ -99,26 +85,27 @@ class MemoryBank:
         return 0 if self.embeddings is None else len(self.embeddings)
 
 
-def check_fits(bank: MemoryBank, embeddings: Tensor) -> None:
+def check_fits(queued: Tensor, embeddings: Tensor) -> None:
     """A size mismatch would otherwise surface as an unexplained shape error inside a matrix product."""
-    if bank.rows and embeddings.shape[-1] != bank.embeddings.shape[-1]:
+    if embeddings.shape[-1] != queued.shape[-1]:
         raise ValueError(
-            f"The cross-batch memory holds {bank.embeddings.shape[-1]}-dimensional embeddings, but this batch's "
+            f"The cross-batch memory holds {queued.shape[-1]}-dimensional embeddings, but this batch's "
             f"embeddings have {embeddings.shape[-1]} dimensions. The embedding size changed mid-run (a truncating "
             "wrapper such as MatryoshkaLoss around the memory, or a different model): keep one embedding size per "
             "CrossBatchMemoryLoss, or call reset_memory() when switching on purpose."
         )
 
 
-def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The queue on the batch's device and in its dtype, or (None, None) when it is empty."""
+def memory_like(
+    bank: MemoryBank, embeddings: Tensor, embedding_map: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor | None, Tensor | None]:
+    """The queue (through a wrapper's ``embedding_map``, if any) on the batch's device and in its dtype,
+    or (None, None) when it is empty."""
     if not bank.rows:
         return None, None
-    check_fits(bank, embeddings)
-    return (
-        bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype),
-        bank.labels.to(device=embeddings.device),
-    )
+    queued = bank.embeddings if embedding_map is None else embedding_map(bank.embeddings)
+    check_fits(queued, embeddings)
+    return queued.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(device=embeddings.device)
 
 
 def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
@@ -128,7 +115,7 @@ def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: i
     if len(labels) != len(embeddings):
         raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")
     if bank.rows:
-        check_fits(bank, embeddings)
+        check_fits(bank.embeddings, embeddings)
         embeddings = embeddings.to(bank.embeddings.dtype)
         labels = labels.to(bank.labels.dtype)
         old_embeddings = bank.embeddings.to(embeddings.device)
@@ -234,10 +221,7 @@ def ranking_loss_fn(
         reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
     ) -> Tensor:
         anchors, documents = torch.cat(reps[0]), document_rows(reps)
-        queue = bank
-        if embedding_map is not None and bank.rows:
-            queue = MemoryBank(embedding_map(bank.embeddings), bank.labels)
-        memory_embeddings, memory_keys = memory_like(queue, anchors)
+        memory_embeddings, memory_keys = memory_like(bank, anchors, embedding_map)
         candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
         batch_size = len(anchors)
         targets = torch.arange(batch_size, device=anchors.device)
