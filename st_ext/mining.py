@@ -16,8 +16,7 @@ from three steps:
    written straight into the three int64 output columns with running sums of sparse jumps, so
    the output is the only large allocation.
 
-Everything here is a pure tensor function (plus one small ``nn.Module`` for the miner) and
-imports nothing else from st_ext, so losses can build on it.
+This module imports only torch, so that losses can build on it.
 """
 
 from __future__ import annotations
@@ -55,15 +54,11 @@ class ClassGroups(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Input checks
-# ---------------------------------------------------------------------------------------------
 
 
 def check_labels(labels, name: str = "labels") -> torch.Tensor:
-    """Reject labels that would silently give wrong triplets: not a tensor, not 1-D, or NaN.
-
-    NaN never equals itself, so a NaN label would be nobody's positive and everybody's negative,
-    including its own anchor's.
-    """
+    """Reject labels that would silently give wrong triplets: not a tensor, not 1-D, or NaN (which,
+    never equal to itself, would be nobody's positive and everybody's negative)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor, got {type(labels).__name__}; convert it with torch.as_tensor({name})."
@@ -80,17 +75,8 @@ def check_labels(labels, name: str = "labels") -> torch.Tensor:
     return labels
 
 
-def _check_same_device(labels: torch.Tensor, ref_labels: torch.Tensor) -> None:
-    """Labels and reference labels are compared elementwise, so they must share a device."""
-    if labels.device != ref_labels.device:
-        raise ValueError(
-            f"labels are on {labels.device} but ref_labels on {ref_labels.device}; move both to the same device."
-        )
-
-
 # ---------------------------------------------------------------------------------------------
 # Grouping and pairs
-# ---------------------------------------------------------------------------------------------
 
 
 def group_by_class(labels: torch.Tensor, ref_labels: torch.Tensor) -> ClassGroups:
@@ -123,8 +109,7 @@ def exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 def anchors_with_triplets(groups: ClassGroups, self_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors that have at least one positive and one negative, and their negative counts.
 
-    Only these anchors cost anything further; the rest (e.g. anchors whose class is missing from
-    a memory bank) drop out here.
+    The rest (e.g. anchors whose class is missing from a memory bank) cost nothing further.
     """
     class_size = groups.size[groups.anchor_class]
     num_positives = class_size - int(self_reference)
@@ -151,22 +136,8 @@ def positive_pairs(
     return pair_row, pair_positive
 
 
-def negatives_by_class(groups: ClassGroups, classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each given class's negatives (reference indices of other classes, ascending), laid end to end.
-
-    Returns the flat list and where each class's run starts. Costs (number of classes)·M, which is
-    at most B·M because only anchors' classes are asked for.
-    """
-    num_ref = len(groups.ref_class)
-    is_negative = groups.ref_class.unsqueeze(0) != classes.unsqueeze(1)
-    negatives = torch.arange(num_ref, device=classes.device).expand(len(classes), num_ref)[is_negative]
-    run_start = exclusive_cumsum(num_ref - groups.size[classes])
-    return negatives, run_start
-
-
 # ---------------------------------------------------------------------------------------------
 # Expanding (pair, segment) blocks into triplet columns
-# ---------------------------------------------------------------------------------------------
 
 
 def fill_piecewise_constant(out: torch.Tensor, block_offsets: torch.Tensor, values: torch.Tensor) -> None:
@@ -267,38 +238,11 @@ def gather_segments(
     torch.index_select(source, 0, scratch, out=out)
 
 
-ColumnWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def repeated_runs_writer(
-    block_run: torch.Tensor,
-    source: torch.Tensor,
-    run_start: torch.Tensor,
-    run_length: torch.Tensor,
-    jumps: RunJumps,
-) -> ColumnWriter:
-    """A column made of whole runs of ``source``, copied by their jumps (:func:`fill_repeated_runs`)."""
-
-    def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
-        fill_repeated_runs(out, block_offsets, block_run, source, run_start, run_length, jumps)
-
-    return write
-
-
-def gathering_writer(source: torch.Tensor, segment_start: torch.Tensor, segment_length: torch.Tensor) -> ColumnWriter:
-    """A column gathered from arbitrary segments of ``source`` (see :func:`gather_segments`)."""
-
-    def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
-        gather_segments(out, scratch, block_offsets, source, segment_start, segment_length)
-
-    return write
-
-
 def expand_blocks(
     block_anchor: torch.Tensor,
     block_constant: torch.Tensor,
     block_length: torch.Tensor,
-    write_varying: ColumnWriter,
+    write_varying: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> Triplets:
     """Columns (anchor, constant, varying) for blocks of ``block_length[i]`` triplets that share
     an anchor and one more index (the positive for all triplets, the negative when mining).
@@ -328,7 +272,6 @@ def _empty_triplets(device: torch.device) -> Triplets:
 
 # ---------------------------------------------------------------------------------------------
 # All triplets
-# ---------------------------------------------------------------------------------------------
 
 
 def dense_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor, self_reference: bool) -> Triplets:
@@ -360,7 +303,10 @@ def all_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor | None =
     self_reference = ref_labels is None or ref_labels is labels
     labels = check_labels(labels)
     ref_labels = labels if ref_labels is None else check_labels(ref_labels, "ref_labels")
-    _check_same_device(labels, ref_labels)
+    if labels.device != ref_labels.device:
+        raise ValueError(
+            f"labels are on {labels.device} but ref_labels on {ref_labels.device}; move both to the same device."
+        )
     if len(labels) == 0 or len(ref_labels) == 0:
         return _empty_triplets(labels.device)
 
@@ -383,23 +329,29 @@ def grouped_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor, sel
         return _empty_triplets(labels.device)
 
     pair_row, pair_positive = positive_pairs(groups, anchors, exclude_self=self_reference)
+    # The negatives of each anchor class, laid end to end: (anchor classes)·M <= B·M entries.
+    num_ref = len(ref_labels)
     classes, class_of_row = torch.unique(groups.anchor_class[anchors], return_inverse=True)
-    negatives, run_start = negatives_by_class(groups, classes)
-    run_length = len(ref_labels) - groups.size[classes]
+    is_negative = groups.ref_class.unsqueeze(0) != classes.unsqueeze(1)
+    negatives = torch.arange(num_ref, device=labels.device).expand(len(classes), num_ref)[is_negative]
+    run_length = num_ref - groups.size[classes]
+    run_start = exclusive_cumsum(run_length)
     jumps = run_jumps(negatives, run_start)
     block_run = class_of_row[pair_row]
     block_length = run_length[block_run]
+    few_jumps = int(jumps.count[block_run].sum()) <= int(block_length.sum()) // REPEATED_RUNS_MAX_JUMP_SHARE
 
-    if int(jumps.count[block_run].sum()) <= int(block_length.sum()) // REPEATED_RUNS_MAX_JUMP_SHARE:
-        write = repeated_runs_writer(block_run, negatives, run_start, run_length, jumps)
-    else:
-        write = gathering_writer(negatives, run_start[block_run], block_length)
+    def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
+        if few_jumps:
+            fill_repeated_runs(out, block_offsets, block_run, negatives, run_start, run_length, jumps)
+        else:
+            gather_segments(out, scratch, block_offsets, negatives, run_start[block_run], block_length)
+
     return expand_blocks(anchors[pair_row], pair_positive, block_length, write)
 
 
 # ---------------------------------------------------------------------------------------------
 # Margin mining
-# ---------------------------------------------------------------------------------------------
 
 
 def distance_matrix(
@@ -450,24 +402,6 @@ def rank_in_row(pair_row: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, in
     return rank, int(pairs_per_row.max()) if num_rows else 0
 
 
-def sorted_positives(
-    pair_row: torch.Tensor, pair_positive: torch.Tensor, ap: torch.Tensor, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each anchor's positive distances in ascending order, padded with +inf to a common width,
-    and the positive index in each slot.
-
-    Positives are the small side of a triplet (one class against all others), so sorting them is
-    cheap, and for a fixed negative the margin condition selects a contiguous run of them.
-    """
-    rank, width = rank_in_row(pair_row, num_rows)
-    padded_ap = ap.new_full((num_rows, width), math.inf)
-    padded_ap[pair_row, rank] = ap
-    padded_positive = torch.zeros((num_rows, width), dtype=torch.int64, device=ap.device)
-    padded_positive[pair_row, rank] = pair_positive
-    sorted_ap, slot = torch.sort(padded_ap, dim=1)
-    return sorted_ap, padded_positive.gather(1, slot)
-
-
 def count_prefix(
     sorted_rows: torch.Tensor,
     queries: torch.Tensor,
@@ -488,24 +422,19 @@ def count_prefix(
     at = sorted_rows.gather(1, count.clamp(max=width - 1))
     right = ((count == 0) | passes(before, queries)) & ((count == width) | ~passes(at, queries))
     wrong = torch.nonzero(~right.reshape(-1)).squeeze(1)
-    if len(wrong):
-        row = torch.div(wrong, queries.shape[1], rounding_mode="floor")
-        count.view(-1)[wrong] = _bisect_prefix(sorted_rows, row, queries.reshape(-1)[wrong], passes)
-    return count
-
-
-def _bisect_prefix(sorted_rows, row, query, passes) -> torch.Tensor:
-    """Length of the passing prefix of ``sorted_rows[row]`` for each query, by bisection."""
-    width = sorted_rows.shape[1]
-    low = torch.zeros_like(row)
-    high = torch.full_like(row, width)
+    if len(wrong) == 0:
+        return count
+    row = torch.div(wrong, queries.shape[1], rounding_mode="floor")
+    query = queries.reshape(-1)[wrong]
+    low, high = torch.zeros_like(row), torch.full_like(row, width)
     for _ in range(math.ceil(math.log2(width + 1))):
         middle = (low + high) // 2
         ok = passes(sorted_rows[row, middle.clamp(max=width - 1)], query)
         active = low < high
         low = torch.where(active & ok, middle + 1, low)
         high = torch.where(active & ~ok, middle, high)
-    return low
+    count.view(-1)[wrong] = low
+    return count
 
 
 def mine_dense(
@@ -549,10 +478,16 @@ def mine_grouped(
         return _empty_triplets(oriented.device)
 
     pair_row, pair_positive = positive_pairs(groups, anchors, exclude_self=self_reference)
-    ap = oriented[anchors[pair_row], pair_positive]
     an = oriented[anchors]
     is_negative = groups.anchor_class[anchors].unsqueeze(1) != groups.ref_class.unsqueeze(0)
-    sorted_ap, positive_in_slot = sorted_positives(pair_row, pair_positive, ap, len(anchors))
+    # Each anchor's positive distances ascending (padded with +inf), and the positive in each slot.
+    rank, width = rank_in_row(pair_row, len(anchors))
+    padded_ap = an.new_full((len(anchors), width), math.inf)
+    padded_ap[pair_row, rank] = oriented[anchors[pair_row], pair_positive]
+    padded_positive = torch.zeros((len(anchors), width), dtype=torch.int64, device=an.device)
+    padded_positive[pair_row, rank] = pair_positive
+    sorted_ap, slot = torch.sort(padded_ap, dim=1)
+    positive_in_slot = padded_positive.gather(1, slot)
 
     def count(bound: float) -> torch.Tensor:
         """Per (anchor, negative): how many of the anchor's sorted ap give ``an - ap > bound``."""
@@ -564,7 +499,11 @@ def mine_grouped(
     end = num_positives.expand_as(an) if lower is None else count(lower)
     row, negative = torch.nonzero(is_negative & (end > first), as_tuple=True)
     first, length = first[row, negative], end[row, negative] - first[row, negative]
-    write = gathering_writer(positive_in_slot.reshape(-1), row * sorted_ap.shape[1] + first, length)
+    slot_start = row * sorted_ap.shape[1] + first
+
+    def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
+        gather_segments(out, scratch, block_offsets, positive_in_slot.reshape(-1), slot_start, length)
+
     block_anchors, negatives, positives = expand_blocks(anchors[row], negative, length, write)
     return block_anchors, positives, negatives
 
@@ -650,21 +589,16 @@ class TripletMarginMiner(torch.nn.Module):
                     f"ref_emb rows have size {ref_emb.shape[1]} but embeddings rows {embeddings.shape[1]}; "
                     f"both must come from the same model."
                 )
+        if len(labels) == 0 or len(ref_labels) == 0:
+            return _empty_triplets(embeddings.device)
         with torch.no_grad():
             labels = labels.to(embeddings.device)
             ref_labels = labels if self_reference else ref_labels.to(embeddings.device)
-            return self._mine(embeddings, labels, ref_emb, ref_labels, self_reference)
-
-    def _mine(self, embeddings, labels, ref_emb, ref_labels, self_reference: bool) -> Triplets:
-        """Distances once, then the dense or the grouped way by size (as for all triplets)."""
-        if len(labels) == 0 or len(ref_labels) == 0:
-            return _empty_triplets(embeddings.device)
-        matrix, is_similarity = distance_matrix(embeddings, ref_emb, self.distance)
-        if not torch.isfinite(matrix).all():
-            raise ValueError("the distance matrix contains NaN or inf; check the embeddings for NaN/inf values.")
-        # Negated similarities turn "ap - an" into "an' - ap'" with identical rounding.
-        oriented = -matrix if is_similarity else matrix
-        lower, upper = margin_window(self.type_of_triplets, self.margin)
-        if len(labels) * len(ref_labels) ** 2 <= DENSE_MAX_ELEMENTS:
-            return mine_dense(oriented, labels, ref_labels, self_reference, lower, upper)
-        return mine_grouped(oriented, labels, ref_labels, self_reference, lower, upper)
+            matrix, is_similarity = distance_matrix(embeddings, ref_emb, self.distance)
+            if not torch.isfinite(matrix).all():
+                raise ValueError("the distance matrix contains NaN or inf; check the embeddings for NaN/inf values.")
+            # Negated similarities turn "ap - an" into "an' - ap'" with identical rounding.
+            oriented = -matrix if is_similarity else matrix
+            lower, upper = margin_window(self.type_of_triplets, self.margin)
+            mine = mine_dense if len(labels) * len(ref_labels) ** 2 <= DENSE_MAX_ELEMENTS else mine_grouped
+            return mine(oriented, labels, ref_labels, self_reference, lower, upper)

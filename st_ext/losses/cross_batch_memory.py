@@ -1,37 +1,24 @@
 """Cross-batch memory (XBM, https://huggingface.co/papers/1912.06798) for sentence-transformers losses.
 
-A FIFO queue of detached embeddings from earlier training steps joins every step's loss:
+A FIFO queue of detached embeddings from earlier training steps joins every step's loss: for
+(Cached)MultipleNegativesRankingLoss the queued documents are extra candidates in every anchor's
+softmax; for the triplet losses the queued rows and their labels extend the batch's references.
+The step's rows are enqueued after the loss (queued first, the batch's own positives would come back
+as negatives), detached and, under DDP, gathered from every rank. Gradients reach the batch only, and
+a cached loss stays exact: the queue is a constant in its loss over embeddings (GradCache's step 2),
+and the replay (step 3) never looks at it.
 
-    (1) compute the wrapped loss over the current batch *plus* the queue, which is a constant (no
-        graph): for (Cached)MultipleNegativesRankingLoss the queued documents are extra candidates
-        in every anchor's softmax; for the triplet losses the queued rows and their labels extend the
-        references (positives and negatives) of the batch's anchors;
-    (2) enqueue this step's rows, detached and, under DDP, gathered from every rank, dropping the
-        oldest rows beyond ``memory_size``.
+Ranking losses queue documents (the positive and hard-negative columns), not anchors: they are what
+anchors are ranked against, and queries may be embedded differently (prompts, asymmetric models). A
+queued copy of an anchor's own positive (the same text again, in a later epoch or for another query)
+would be a false negative with a near-perfect score; ``mask_own_positive`` leaves it out of that
+anchor's softmax, recognising rows by a hash of their non-padding token ids, stored in place of a
+label. Queued embeddings come from older parameters: XBM finds they drift slowly enough, so size the
+queue in steps (``memory_size`` ≈ documents per step × a few hundred steps).
 
-Gradients reach the current batch only. A cached loss stays exact: the queue is a constant in its
-loss over embeddings (GradCache's step 2), so the cached gradients are the gradients of the loss
-with the queue, and the replay (step 3) never looks at the queue.
-
-What ranking losses queue, and why:
-
-* Documents (the positive and hard-negative columns), not anchors: they are what anchors are ranked
-  against, and queries and documents may be embedded differently (prompts, asymmetric models).
-* Queued *after* the loss: queued first, the batch's own positives would come back as negatives.
-* A queued copy of an anchor's own positive (the same token ids, because the text came round again
-  in a later epoch or belongs to several queries) would be a false negative with a near-perfect
-  score; with ``mask_own_positive`` it is left out of that anchor's softmax. Rows are recognised by
-  a hash of their non-padding token ids, stored in the queue in place of a label.
-* Queued embeddings come from older parameters. XBM's finding is that they drift slowly enough to be
-  useful; a queue spanning more steps than that tolerates holds staler negatives, so size it in
-  steps (``memory_size`` ≈ documents per step × a few hundred steps) and consider starting from a
-  warmed-up model.
-
-The queue is read and written only when gradients are enabled (training steps); evaluation under
-``torch.no_grad()`` computes the plain loss and leaves the queue as it was. st_ext's trainer writes
-it into every checkpoint with the model and restores it on ``trainer.train(resume_from_checkpoint=...)``
-(:func:`load_memories`: a checkpoint without it is an error, not an empty queue); with an upstream
-trainer, :class:`CrossBatchMemoryCallback` saves it.
+The queue is read and written only when gradients are enabled (training steps); evaluation computes
+the plain loss. st_ext's trainer saves it in every checkpoint and restores it on resume (a checkpoint
+without it is an error); with an upstream trainer, :class:`CrossBatchMemoryCallback` saves it.
 """
 
 from __future__ import annotations
@@ -54,23 +41,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from st_ext._compat import is_gradient_caching, loss_model, st_losses
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    LossFn,
-    LossStep,
-    as_cached_loss,
-    register_cached_loss,
-    with_loss,
-)
+from st_ext.losses.cached_loss import CachedLoss, LossFn, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
-from st_ext.losses.gradcache import (
-    Features,
-    Reps,
-    batch_size_of,
-    chunked_rows,
-    gradcache_forward,
-    row_keys,
-)
+from st_ext.losses.gradcache import Features, Reps, batch_size_of, chunked_rows, gradcache_forward, row_keys
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
 logger = logging.getLogger(__name__)
@@ -78,8 +51,6 @@ logger = logging.getLogger(__name__)
 MEMORY_FILENAME = "cross_batch_memory.pt"
 DEFAULT_MEMORY_SIZE = 1024
 MEMORY_STATE_FORMAT = 1
-#: Key of a queued row whose features carry no token ids (never equal to a real key, which is >= 0).
-UNKNOWN_KEY = -1
 
 XBM_CITATION = """
 @inproceedings{wang2020xbm,
@@ -99,11 +70,11 @@ XBM_CITATION = """
 
 @dataclass(frozen=True)
 class MemoryBank:
-    """The queue: rows oldest first, never part of a graph.
+    """The queue: rows oldest first, never part of a graph. ``labels`` are class labels (triplet losses)
+    or document keys (ranking losses, :func:`document_keys`).
 
-    ``labels`` are class labels for triplet losses and document keys (:func:`document_keys`) for
-    ranking losses. Updates build a new bank rather than writing into this one, because the graph of
-    the step that read it may still need its tensors for the backward pass.
+    Updates build a new bank rather than write into this one: the graph of the step that read it may
+    still need its tensors for the backward pass.
     """
 
     embeddings: Tensor | None = None
@@ -114,39 +85,37 @@ class MemoryBank:
         return 0 if self.embeddings is None else len(self.embeddings)
 
 
-def check_fits(bank: MemoryBank, embeddings: Tensor) -> None:
-    """The batch must have the queue's embedding size; a mismatch would otherwise surface as an
-    unexplained shape error inside a matrix product."""
-    if bank.rows and embeddings.shape[-1] != bank.embeddings.shape[-1]:
+def check_fits(queued: Tensor, embeddings: Tensor) -> None:
+    """A size mismatch would otherwise surface as an unexplained shape error inside a matrix product."""
+    if embeddings.shape[-1] != queued.shape[-1]:
         raise ValueError(
-            f"The cross-batch memory holds {bank.embeddings.shape[-1]}-dimensional embeddings, but this batch's "
+            f"The cross-batch memory holds {queued.shape[-1]}-dimensional embeddings, but this batch's "
             f"embeddings have {embeddings.shape[-1]} dimensions. The embedding size changed mid-run (a truncating "
             "wrapper such as MatryoshkaLoss around the memory, or a different model): keep one embedding size per "
             "CrossBatchMemoryLoss, or call reset_memory() when switching on purpose."
         )
 
 
-def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The queue on the batch's device and in its dtype, or (None, None) when it is empty."""
+def memory_like(
+    bank: MemoryBank, embeddings: Tensor, embedding_map: Callable[[Tensor], Tensor] | None = None
+) -> tuple[Tensor | None, Tensor | None]:
+    """The queue (through a wrapper's ``embedding_map``, if any) on the batch's device and in its dtype,
+    or (None, None) when it is empty."""
     if not bank.rows:
         return None, None
-    check_fits(bank, embeddings)
-    return (
-        bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype),
-        bank.labels.to(device=embeddings.device),
-    )
+    queued = bank.embeddings if embedding_map is None else embedding_map(bank.embeddings)
+    check_fits(queued, embeddings)
+    return queued.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(device=embeddings.device)
 
 
 def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
-    """A new bank: the old rows followed by these, keeping the newest ``memory_size``.
-
-    The new rows are stored detached, in the bank's dtype (the first batch's), on their own device.
-    """
+    """A new bank: the old rows followed by these (detached, in the bank's dtype), keeping the newest
+    ``memory_size``."""
     embeddings, labels = embeddings.detach(), labels.detach()
     if len(labels) != len(embeddings):
         raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")
     if bank.rows:
-        check_fits(bank, embeddings)
+        check_fits(bank.embeddings, embeddings)
         embeddings = embeddings.to(bank.embeddings.dtype)
         labels = labels.to(bank.labels.dtype)
         old_embeddings = bank.embeddings.to(embeddings.device)
@@ -164,8 +133,8 @@ def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: i
 def gather_from_ranks(tensor: Tensor) -> Tensor:
     """Every rank's rows, in rank order, on every rank (detached); ``tensor`` itself when not distributed.
 
-    Ranks may hold different numbers of rows (a last, shorter batch), so sizes go first and rows
-    travel padded to the largest.
+    Ranks may hold different numbers of rows (a last, shorter batch): sizes go first, and rows travel
+    padded to the largest.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
@@ -183,12 +152,13 @@ def gather_from_ranks(tensor: Tensor) -> Tensor:
 
 def document_keys(features: Features) -> Tensor:
     """One int64 key per row: a hash of its non-padding token ids, so that the same text gets the same
-    key in any batch, whatever its padding. ``UNKNOWN_KEY`` for every row when there are no token ids."""
+    key in any batch, whatever its padding. -1 (never a real key, which is >= 0) for every row when the
+    features carry no token ids."""
     input_ids = features.get("input_ids")
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
         any_tensor = next((v for v in features.values() if isinstance(v, Tensor)), None)
         device = None if any_tensor is None else any_tensor.device
-        return torch.full((batch_size_of(features),), UNKNOWN_KEY, dtype=torch.int64, device=device)
+        return torch.full((batch_size_of(features),), -1, dtype=torch.int64, device=device)
     keys = [
         int.from_bytes(hashlib.blake2b(row_key, digest_size=8).digest(), "little") >> 1
         for row_key in row_keys(features)
@@ -198,48 +168,6 @@ def document_keys(features: Features) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Ranking losses: queued documents as extra candidates
-
-
-def ranking_loss(
-    reps: Reps,
-    memory_embeddings: Tensor | None,
-    memory_keys: Tensor | None,
-    positive_keys: Tensor | None,
-    *,
-    scale: float,
-    similarity_fct,
-    chunk_size: int,
-    with_backward: bool,
-    show_progress_bar: bool = False,
-) -> Tensor:
-    """MNRL's cross-entropy with candidates = this batch's documents followed by the queue.
-
-    ``reps`` holds (anchors, positives, hard negatives...) per column, per mini-batch. Anchor rows go
-    ``chunk_size`` at a time; with ``with_backward`` each chunk back-propagates into ``reps`` at once
-    (GradCache's step 2) and the value comes back detached. A queued row whose key equals the
-    anchor's own positive's key is masked out of that anchor's softmax.
-    """
-    anchors = torch.cat(reps[0])
-    documents = torch.cat([torch.cat(column) for column in reps[1:]])
-    candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
-    mask_memory = memory_keys is not None and positive_keys is not None
-    batch_size = len(anchors)
-    targets = torch.arange(batch_size, device=anchors.device)
-    chunk_losses = []
-    for begin, end in tqdm(
-        list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
-    ):
-        scores = similarity_fct(anchors[begin:end], candidates) * scale
-        if mask_memory:
-            own_positive = torch.zeros_like(scores, dtype=torch.bool)
-            own_positive[:, len(documents) :] = positive_keys[begin:end].unsqueeze(1) == memory_keys.unsqueeze(0)
-            scores = scores.masked_fill(own_positive, -math.inf)
-        chunk_loss = F.cross_entropy(scores, targets[begin:end]) * (end - begin) / batch_size
-        if with_backward:
-            chunk_loss.backward()
-            chunk_loss = chunk_loss.detach()
-        chunk_losses.append(chunk_loss)
-    return sum(chunk_losses)
 
 
 def check_ranking_options(loss: nn.Module) -> None:
@@ -262,66 +190,58 @@ def check_ranking_options(loss: nn.Module) -> None:
         )
 
 
-@dataclass(frozen=True)
-class RankingBatch:
-    """What a ranking step with the queue takes from its batch and loss: each document column's row keys,
-    the keys left out of each anchor's softmax (None without ``mask_own_positive``), and the wrapped
-    loss's scale and similarity."""
-
-    keys: list[Tensor]
-    positive_keys: Tensor | None
-    settings: dict[str, Any]
-
-    def row_keys(self, device: torch.device) -> Tensor:
-        """The keys of every document row, in the order the documents are enqueued."""
-        return torch.cat(self.keys).to(device)
-
-
-def ranking_batch(loss: nn.Module, sentence_features: list[Features], mask_own_positive: bool) -> RankingBatch:
+def ranking_keys(loss: nn.Module, sentence_features: list[Features]) -> Tensor:
+    """The key of every document row (:func:`document_keys`), in the order the documents are enqueued."""
     if len(sentence_features) < 2:
         raise ValueError(
             f"{type(loss).__name__} needs (anchor, positive, negative_1, ...) columns, got {len(sentence_features)} column(s)."
         )
-    keys = [document_keys(features) for features in sentence_features[1:]]
-    settings = {"scale": loss.scale, "similarity_fct": loss.similarity_fct}
-    return RankingBatch(keys, keys[0] if mask_own_positive else None, settings)
+    return torch.cat([document_keys(features) for features in sentence_features[1:]])
 
 
-def uncached_ranking_step(
-    loss: nn.Module, model: nn.Module, sentence_features: list[Features], bank: MemoryBank, mask_own_positive: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss value, documents to enqueue, their keys) for MNRL with the queue, in one forward pass with a graph."""
-    batch = ranking_batch(loss, sentence_features, mask_own_positive)
-    embeddings = [model(features)["sentence_embedding"] for features in sentence_features]
-    loss_with_memory = memory_ranking_fn(bank, batch, chunk_size=len(embeddings[0]), show_progress_bar=False)
-    value = loss_with_memory([[embedding] for embedding in embeddings], None, None, with_backward=False)
-    documents = torch.cat(embeddings[1:]).detach()
-    return value, documents, batch.row_keys(documents.device)
+def document_rows(reps: Reps) -> Tensor:
+    """The documents of a ranking batch: every column after the anchors."""
+    return torch.cat([torch.cat(column) for column in reps[1:]])
 
 
-def memory_ranking_fn(bank: MemoryBank, batch: RankingBatch, chunk_size: int, show_progress_bar: bool) -> LossFn:
-    """The cached ranking loss over embeddings with ``bank``'s documents as extra candidates. A wrapper's
-    ``embedding_map`` (Matryoshka's truncation and re-normalisation) applies to the queue as to the batch."""
+def ranking_loss_fn(
+    loss: nn.Module, bank: MemoryBank, keys: Tensor | None, chunk_size: int, show_progress_bar: bool
+) -> LossFn:
+    """MNRL's cross-entropy (``loss``'s scale and similarity) with candidates = the batch's documents
+    followed by ``bank``'s, as a :data:`~st_ext.losses.cached_loss.LossFn`.
 
-    def loss_with_memory(
+    Anchor rows go ``chunk_size`` at a time; with ``with_backward`` each chunk back-propagates into
+    ``reps`` at once (GradCache's step 2) and the value comes back detached. ``keys`` are the documents'
+    (the positives' first, one per anchor), or None: a queued row with the key of an anchor's own
+    positive is left out of that anchor's softmax. A wrapper's ``embedding_map`` (Matryoshka's
+    truncation and re-normalisation) applies to the queue as to the batch.
+    """
+
+    def loss_fn(
         reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
     ) -> Tensor:
-        queue = bank
-        if embedding_map is not None and bank.rows:
-            queue = MemoryBank(embedding_map(bank.embeddings), bank.labels)
-        memory_embeddings, memory_keys = memory_like(queue, reps[0][0])
-        return ranking_loss(
-            reps,
-            memory_embeddings,
-            memory_keys,
-            batch.positive_keys,
-            chunk_size=chunk_size,
-            with_backward=with_backward,
-            show_progress_bar=show_progress_bar,
-            **batch.settings,
-        )
+        anchors, documents = torch.cat(reps[0]), document_rows(reps)
+        memory_embeddings, memory_keys = memory_like(bank, anchors, embedding_map)
+        candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
+        batch_size = len(anchors)
+        targets = torch.arange(batch_size, device=anchors.device)
+        chunk_losses = []
+        for begin, end in tqdm(
+            list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
+        ):
+            scores = loss.similarity_fct(anchors[begin:end], candidates) * loss.scale
+            if keys is not None and memory_keys is not None:
+                own_positive = torch.zeros_like(scores, dtype=torch.bool)
+                own_positive[:, len(documents) :] = keys[begin:end, None].to(anchors.device) == memory_keys[None]
+                scores = scores.masked_fill(own_positive, -math.inf)
+            chunk_loss = F.cross_entropy(scores, targets[begin:end]) * (end - begin) / batch_size
+            if with_backward:
+                chunk_loss.backward()
+                chunk_loss = chunk_loss.detach()
+            chunk_losses.append(chunk_loss)
+        return sum(chunk_losses)
 
-    return loss_with_memory
+    return loss_fn
 
 
 def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedLoss:
@@ -329,21 +249,21 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
     embeddings ranks against the queue of its layer (the model's output, or a layer a layer-wise loss
     draws), and once the step's loss is computed each layer's documents join that layer's queue. The
     documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the gradients
-    were computed for. Read and written on training steps only.
+    were computed for.
 
-    Under a layer-wise loss each layer ranks against its own queue of that layer's embeddings: one queue for
-    all layers would put final-layer embeddings among an earlier layer's candidates, another embedding space.
-    A layer's queue grows only on steps that sample it (with ``n_layers_per_step=1`` of L layers, about L times
-    more slowly than the final one, so its rows are older), and every queue holds up to ``memory_size`` rows:
-    (sampled layers + 1) × ``memory_size`` embeddings in all."""
+    Each layer has its own queue: one for all layers would put final-layer embeddings among an earlier
+    layer's candidates, another embedding space. A layer's queue grows only on steps that sample it (with
+    ``n_layers_per_step=1`` of L layers, about L times more slowly, so its rows are older), and every queue
+    holds up to ``memory_size`` rows: (sampled layers + 1) × ``memory_size`` embeddings in all."""
 
     def queued(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        batch = ranking_batch(memory.loss, sentence_features, memory.mask_own_positive)
+        keys = ranking_keys(memory.loss, sentence_features)
         training = torch.is_grad_enabled()
 
         def draw(layer: int | None) -> LossFn:
             bank = memory.bank(layer) if training else MemoryBank()
-            return memory_ranking_fn(bank, batch, mini_batch_size, description.show_progress_bar)
+            masked = keys if memory.mask_own_positive else None
+            return ranking_loss_fn(memory.loss, bank, masked, mini_batch_size, description.show_progress_bar)
 
         def finish(layers: list, outputs: list[Reps]) -> None:
             if not training:
@@ -351,8 +271,7 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
             if layers != [None]:
                 _check_same_layers_on_every_rank(layers)
             for layer, reps in zip(layers, outputs):
-                documents = document_rows(reps)
-                memory.push(layer, documents, batch.row_keys(documents.device))
+                memory.push(layer, document_rows(reps), keys)
 
         return replace(step, draw=draw, finish=finish)
 
@@ -360,8 +279,8 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
 
 
 def _check_same_layers_on_every_rank(layers: list) -> None:
-    """Every rank's documents join the queue of the layer each rank drew; ranks that drew differently
-    (Python's ``random`` seeded differently) would mix layers in one queue without any shape error."""
+    """Ranks that drew different layers (Python's ``random`` seeded differently) would mix layers in one
+    queue without any shape error."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     drawn: list = [None] * dist.get_world_size()
@@ -371,11 +290,6 @@ def _check_same_layers_on_every_rank(layers: list) -> None:
             f"The ranks sampled different layers ({drawn}): each layer's cross-batch memory would mix them. Seed "
             "Python's random module alike on every rank (the Trainer's seed does), or set n_layers_per_step=-1."
         )
-
-
-def document_rows(reps: Reps) -> Tensor:
-    """The documents of a ranking batch (every column after the anchors), detached, as the queue keeps them."""
-    return torch.cat([torch.cat(column) for column in reps[1:]]).detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +311,7 @@ def triplet_step(
     value = triplet_loss_from_embeddings(
         loss_function, distance_metric, margin, embeddings, labels, memory_embeddings, memory_labels
     )
-    return value, embeddings.detach(), labels.to(embeddings.device)
+    return value, embeddings, labels
 
 
 def memory_kind(loss: nn.Module) -> str:
@@ -419,15 +333,6 @@ def memory_kind(loss: nn.Module) -> str:
         "BatchHardTripletLoss, BatchSemiHardTripletLoss (queued rows become extra references). Symmetric variants "
         "are not supported: the memory holds no queries."
     )
-
-
-def validate_memory_size(memory_size: Any) -> None:
-    """Fail at construction: a zero or fractional size would otherwise surface as an empty slice."""
-    if isinstance(memory_size, bool) or not isinstance(memory_size, numbers.Integral) or memory_size <= 0:
-        raise ValueError(
-            f"memory_size must be a positive number of rows, got {memory_size!r}; e.g. memory_size=4096 keeps the "
-            "embeddings of the last 4096 texts."
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +367,12 @@ class CrossBatchMemoryLoss(nn.Module):
         mask_own_positive: bool = True,
     ):
         super().__init__()
-        validate_memory_size(memory_size)
+        # Checked here: a zero or fractional size would otherwise surface as an empty slice.
+        if isinstance(memory_size, bool) or not isinstance(memory_size, numbers.Integral) or memory_size <= 0:
+            raise ValueError(
+                f"memory_size must be a positive number of rows, got {memory_size!r}; e.g. memory_size=4096 keeps "
+                "the embeddings of the last 4096 texts."
+            )
         self.kind = memory_kind(loss)
         if loss_model(loss) is not model:
             raise ValueError(
@@ -475,8 +385,8 @@ class CrossBatchMemoryLoss(nn.Module):
         self.mask_own_positive = mask_own_positive
         self.uses_gradient_cache = is_gradient_caching(loss)
         self.memory = MemoryBank()
-        #: Queues of earlier layers' embeddings, by hidden-state index, filled when a layer-wise loss
-        #: (:mod:`st_ext.losses.adaptive_layer`) trains that layer: each layer ranks against its own queue.
+        #: Queues of earlier layers' embeddings, by hidden-state index, for a layer-wise loss
+        #: (:mod:`st_ext.losses.adaptive_layer`): each layer ranks against its own queue.
         self.layer_memory: dict[int, MemoryBank] = {}
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
@@ -486,9 +396,12 @@ class CrossBatchMemoryLoss(nn.Module):
         training = torch.is_grad_enabled()
         bank = self.memory if training else MemoryBank()
         if self.kind == "ranking":
-            value, rows, row_labels = uncached_ranking_step(
-                self.loss, self.model, sentence_features, bank, self.mask_own_positive
-            )
+            keys = ranking_keys(self.loss, sentence_features)
+            embeddings = [self.model(features)["sentence_embedding"] for features in sentence_features]
+            masked = keys if self.mask_own_positive else None
+            loss_fn = ranking_loss_fn(self.loss, bank, masked, len(embeddings[0]), show_progress_bar=False)
+            value = loss_fn([[embedding] for embedding in embeddings], None, None, with_backward=False)
+            rows, row_labels = torch.cat(embeddings[1:]), keys
         else:
             value, rows, row_labels = triplet_step(self.loss, self.model, sentence_features, labels, bank)
         if training:
@@ -520,6 +433,7 @@ class CrossBatchMemoryLoss(nn.Module):
 
     def push(self, layer: int | None, rows: Tensor, row_labels: Tensor) -> None:
         """Enqueue this step's rows (every rank's, under DDP) into ``layer``'s queue."""
+        row_labels = row_labels.to(rows.device)
         bank = enqueue(self.bank(layer), gather_from_ranks(rows), gather_from_ranks(row_labels), self.memory_size)
         if layer is None:
             self.memory = bank
@@ -542,32 +456,38 @@ class CrossBatchMemoryLoss(nn.Module):
 
     def memory_state(self) -> dict[str, Any]:
         """The queues as CPU tensors, for ``torch.save``; :meth:`load_memory_state` restores them as they were."""
-        state = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **_bank_state(self.memory)}
+
+        def saved(bank: MemoryBank) -> dict[str, Tensor | None]:
+            return {
+                "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
+                "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
+            }
+
+        state = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **saved(self.memory)}
         if self.layer_memory:
-            state["layers"] = {layer: _bank_state(bank) for layer, bank in sorted(self.layer_memory.items())}
+            state["layers"] = {layer: saved(bank) for layer, bank in sorted(self.layer_memory.items())}
         return state
 
     def load_memory_state(self, state: dict[str, Any]) -> None:
         """Restore the queues saved by :meth:`memory_state` (the newest ``memory_size`` rows of each if they were
-        larger). They move to the training device at the next step.
-        """
+        larger). They move to the training device at the next step."""
         if not isinstance(state, dict) or state.get("format") != MEMORY_STATE_FORMAT:
             raise ValueError(
                 f"Not a cross-batch memory state (format {MEMORY_STATE_FORMAT}); pass what memory_state() returned."
             )
-        self.memory = self._restored_bank(state)
-        layers = state.get("layers", {})
-        self.layer_memory = {int(layer): self._restored_bank(layer_state) for layer, layer_state in layers.items()}
 
-    def _restored_bank(self, state: dict[str, Any]) -> MemoryBank:
-        embeddings, labels = state["embeddings"], state["labels"]
-        if embeddings is None:
-            return MemoryBank()
-        if embeddings.ndim != 2 or labels is None or labels.shape != (len(embeddings),):
-            raise ValueError(
-                "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
-            )
-        return enqueue(MemoryBank(), embeddings, labels, self.memory_size)
+        def restored(saved: dict[str, Any]) -> MemoryBank:
+            embeddings, labels = saved["embeddings"], saved["labels"]
+            if embeddings is None:
+                return MemoryBank()
+            if embeddings.ndim != 2 or labels is None or labels.shape != (len(embeddings),):
+                raise ValueError(
+                    "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
+                )
+            return enqueue(MemoryBank(), embeddings, labels, self.memory_size)
+
+        self.memory = restored(state)
+        self.layer_memory = {int(layer): restored(saved) for layer, saved in state.get("layers", {}).items()}
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
@@ -579,13 +499,6 @@ class CrossBatchMemoryLoss(nn.Module):
     @property
     def citation(self) -> str:
         return XBM_CITATION + getattr(self.loss, "citation", "")
-
-
-def _bank_state(bank: MemoryBank) -> dict[str, Tensor | None]:
-    return {
-        "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
-        "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
-    }
 
 
 def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
@@ -640,10 +553,9 @@ def load_memories(
 ) -> list[str]:
     """Restore the memories saved by :func:`save_memories`; returns the names restored.
 
-    A memory the checkpoint does not hold (its file was lost, or the checkpoint is from another script)
-    would resume with an empty queue, and the run would diverge from the uninterrupted one: that is a
-    :class:`MissingMemoryError`, unless ``allow_empty``, which starts it empty with a warning. A file
-    that cannot be read (truncated by a full disk, say) is a ``ValueError`` naming it.
+    A memory the checkpoint lacks would resume empty and the run would diverge from the uninterrupted
+    one: a :class:`MissingMemoryError`, unless ``allow_empty`` (then a warning). An unreadable file (say,
+    truncated by a full disk) is a ``ValueError`` naming it.
     """
     found = memory_losses(loss)
     if not found:
@@ -676,10 +588,10 @@ def load_memories(
 class CrossBatchMemoryCallback(TrainerCallback):
     """Saves the memory of every CrossBatchMemoryLoss in ``loss`` next to each checkpoint of an upstream trainer.
 
-    ``on_save`` runs after the trainer wrote ``<output_dir>/checkpoint-<global_step>`` and rotated older
-    checkpoints, so a kill in between leaves a checkpoint without its memory (resuming from it is then
-    an error). st_ext's trainers write the memory inside the checkpoint instead, before anything else
-    happens, and need no callback. Only the main process writes: every rank holds the same queue.
+    ``on_save`` runs after the trainer wrote the checkpoint and rotated older ones, so a kill in between
+    leaves a checkpoint without its memory (resuming from it is then an error); st_ext's trainers write
+    the memory inside the checkpoint instead and need no callback. Only the main process writes: every
+    rank holds the same queue.
     """
 
     def __init__(self, loss: nn.Module | dict[str, nn.Module]) -> None:
@@ -695,7 +607,7 @@ def restore_memories_for_resume(
     trainer, resume_from_checkpoint: str | bool | None, *, allow_empty: bool = False
 ) -> list[str]:
     """Before ``train(resume_from_checkpoint=...)``: load the memories saved with that checkpoint
-    (``True``: the last one in ``args.output_dir``, as the trainer itself resolves it); see :func:`load_memories`."""
+    (``True``: the last one in ``args.output_dir``, as the trainer resolves it); see :func:`load_memories`."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return []
     if resume_from_checkpoint is True:

@@ -1,21 +1,14 @@
 """Batch-all, batch-hard and semi-hard triplet losses whose memory follows the distance matrix.
 
-Same constructor (``model, distance_metric, margin``), values and gradients as sentence-transformers'
-``BatchAllTripletLoss``, ``BatchHardTripletLoss`` and ``BatchSemiHardTripletLoss``, and one addition:
-reference rows from earlier steps (a cross-batch memory) can join the batch's own rows as positives
-and negatives. With B anchors and R references (R = B, or B plus the memory) nothing is larger than
-the B×R distance matrix:
+Same constructor, values and gradients as sentence-transformers' ``BatchAllTripletLoss``,
+``BatchHardTripletLoss`` and ``BatchSemiHardTripletLoss``; in addition, reference rows from earlier
+steps (a cross-batch memory) can join the batch's rows as positives and negatives. With B anchors and
+R references (the batch, then the memory) nothing is larger than the B×R distance matrix, where
+upstream builds B×B×B (4.x) or (positive pairs)×B (6.x) for batch-all and B²×B (4.x) for semi-hard,
+and enumerating the triplets (PML's way) costs their number, which a memory makes enormous.
 
-* batch-all: upstream 4.x builds a B×B×B cube, 6.x a (positive pairs)×B block, and enumerating the
-  triplets (PML's way) costs their number, which a memory makes enormous. Here each anchor's
-  negatives are sorted by distance once; for a pair ``(a, p)`` (listed by the project's index
-  functions, :mod:`st_ext.mining`) the negatives inside the margin are a prefix of that order,
-  counted exactly as the float comparison evaluates, and the pair's loss is a prefix sum.
-* batch-hard: row maxima and minima of masked distances, as upstream.
-* semi-hard: one sort per anchor and one search per pair (6.x's method; 4.x tiles a B²×B tensor).
-
-The first B references are the batch itself, so anchor ``i`` is reference ``i`` and is never its own
-positive. Memory references are detached: gradients reach the batch only.
+Anchor ``i`` is reference ``i``, never its own positive. Memory references are detached: gradients
+reach the batch only.
 """
 
 from __future__ import annotations
@@ -250,22 +243,19 @@ def batch_hard_triplet_loss(distances: Tensor, labels: Tensor, ref_labels: Tenso
     return per_anchor.masked_fill(per_anchor < 0, 0.0).mean()
 
 
-def masked_row_maximum(values: Tensor, mask: Tensor) -> Tensor:
-    """Each row's maximum over ``mask`` (the row minimum where the mask is empty), upstream's way."""
-    row_min = values.min(dim=1, keepdim=True).values
-    return ((values - row_min) * mask).max(dim=1, keepdim=True).values + row_min
-
-
 def batch_semi_hard_triplet_loss(distances: Tensor, labels: Tensor, ref_labels: Tensor, margin: float) -> Tensor:
     """FaceNet's semi-hard loss: per positive pair, the nearest negative farther than the positive
-    (else the anchor's farthest negative); mean of ``relu(d(a, p) - d(a, n) + margin)`` over pairs."""
+    (else the anchor's farthest negative); mean of ``relu(d(a, p) - d(a, n) + margin)`` over pairs.
+    One sort per anchor and one search per pair (6.x's method)."""
     same, positive = label_masks(distances, labels, ref_labels)
     sorted_negatives = distances.masked_fill(same, math.inf).sort(dim=1, stable=True).values
     first_farther = torch.searchsorted(
         sorted_negatives.detach().contiguous(), distances.detach().contiguous(), right=True
     )
     farther = sorted_negatives.gather(1, first_farther.clamp(max=distances.shape[1] - 1))
-    farthest = masked_row_maximum(distances, ~same)
+    # Upstream's masked maximum: the row minimum for an anchor without negatives.
+    row_min = distances.min(dim=1, keepdim=True).values
+    farthest = ((distances - row_min) * ~same).max(dim=1, keepdim=True).values + row_min
     semi_hard_negative = torch.where(torch.isfinite(farther), farther, farthest)
     pair_loss = (distances - semi_hard_negative + margin) * positive.to(distances.dtype)
     num_positive_pairs = positive.sum().to(distances.dtype)
@@ -316,7 +306,21 @@ def triplet_loss_from_embeddings(
 #: (and the model card's ``distance_metric`` name) are upstream's on every release.
 UPSTREAM_EUCLIDEAN = upstream_default(_upstream.BatchAllTripletLoss, "distance_metric")
 
-_TRIPLET_INPUTS = """
+# Shared by the three classes' docstrings after their own summary ({name}: the class).
+_COMMON_DOC = """
+    Args:
+        model: the SentenceTransformer being trained.
+        distance_metric: a function from a batch of embeddings to their pairwise distances;
+            upstream's ``BatchHardTripletLossDistanceFunction`` functions and st_ext's
+            ``euclidean_distance``/``cosine_distance`` cost B x (B + memory) with a memory.
+            Default: upstream's Euclidean distance.
+        margin: the margin between the positive and the negative distance (default 5).
+
+    References:
+        - In Defense of the Triplet Loss for Person Re-Identification: https://huggingface.co/papers/1703.07737
+        - FaceNet (semi-hard negatives): https://huggingface.co/papers/1503.03832
+        - Cross-batch memory (:class:`st_ext.losses.CrossBatchMemoryLoss`): https://huggingface.co/papers/1912.06798
+
     Inputs:
         +------------------+--------------------------------------------------+
         | Texts            | Labels                                           |
@@ -325,13 +329,22 @@ _TRIPLET_INPUTS = """
         |                  | per class in a batch; use the GROUP_BY_LABEL     |
         |                  | batch sampler)                                   |
         +------------------+--------------------------------------------------+
-"""
 
-_TRIPLET_REFERENCES = """
-    References:
-        - In Defense of the Triplet Loss for Person Re-Identification: https://huggingface.co/papers/1703.07737
-        - FaceNet (semi-hard negatives): https://huggingface.co/papers/1503.03832
-        - Cross-batch memory (:class:`st_ext.losses.CrossBatchMemoryLoss`): https://huggingface.co/papers/1912.06798
+    Example:
+        ::
+
+            from datasets import Dataset
+            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
+
+            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "sentence": ["He played a great game.", "The stock is up 20%", "They won 2-1.", "The last goal was amazing."],
+                "label": [1, 0, 1, 1],
+            })
+            loss = losses.{name}(model)
+            # with a memory of earlier batches' embeddings as extra positives and negatives:
+            # loss = losses.CrossBatchMemoryLoss(model, losses.{name}(model), memory_size=4096)
+            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
 """
 
 
@@ -394,85 +407,38 @@ class _BatchTripletLoss(nn.Module):
         }
 
 
-_EXAMPLE = """
-    Example:
-        ::
-
-            from datasets import Dataset
-            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
-
-            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-            train_dataset = Dataset.from_dict({
-                "sentence": ["He played a great game.", "The stock is up 20%", "They won 2-1.", "The last goal was amazing."],
-                "label": [1, 0, 1, 1],
-            })
-            loss = losses.{name}(model)
-            # with a memory of earlier batches' embeddings as extra positives and negatives:
-            # loss = losses.CrossBatchMemoryLoss(model, losses.{name}(model), memory_size=4096)
-            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
-"""
-
-_ARGS = """
-    Args:
-        model: the SentenceTransformer being trained.
-        distance_metric: a function from a batch of embeddings to their pairwise distances;
-            upstream's ``BatchHardTripletLossDistanceFunction`` functions and st_ext's
-            ``euclidean_distance``/``cosine_distance`` cost B x (B + memory) with a memory.
-            Default: upstream's Euclidean distance.
-        margin: the margin between the positive and the negative distance (default 5).
-"""
-
-
 @named_like_upstream(_upstream.BatchAllTripletLoss)
 class BatchAllTripletLoss(_BatchTripletLoss):
-    __doc__ = (
-        """Upstream's ``BatchAllTripletLoss`` (same arguments, values, gradients and card) in O(B x R) memory.
+    __doc__ = """Upstream's ``BatchAllTripletLoss`` (same arguments, values, gradients and card) in O(B x R) memory.
 
     Every valid triplet of the batch counts: anchor and positive share a label, the negative has
     another; the loss is the mean of ``relu(d(a, p) - d(a, n) + margin)`` over the triplets where
     it is positive. Upstream builds a B x B x B (4.x) or pairs x B (6.x) tensor; here each anchor's
     negatives are sorted once and each pair's sum is a prefix sum, so nothing exceeds B x R.
-"""
-        + _ARGS
-        + _TRIPLET_REFERENCES
-        + _TRIPLET_INPUTS
-        + _EXAMPLE.replace("{name}", "BatchAllTripletLoss")
-    )
+""" + _COMMON_DOC.replace("{name}", "BatchAllTripletLoss")
 
     loss_function = staticmethod(batch_all_triplet_loss)
 
 
 @named_like_upstream(_upstream.BatchHardTripletLoss)
 class BatchHardTripletLoss(_BatchTripletLoss):
-    __doc__ = (
-        """Upstream's ``BatchHardTripletLoss`` (same arguments, values, gradients and card).
+    __doc__ = """Upstream's ``BatchHardTripletLoss`` (same arguments, values, gradients and card).
 
     Per anchor, its farthest positive and its nearest negative form the triplet; the loss is the
     mean over anchors of ``relu(d(a, p_hardest) - d(a, n_hardest) + margin)``.
-"""
-        + _ARGS
-        + _TRIPLET_REFERENCES
-        + _TRIPLET_INPUTS
-        + _EXAMPLE.replace("{name}", "BatchHardTripletLoss")
-    )
+""" + _COMMON_DOC.replace("{name}", "BatchHardTripletLoss")
 
     loss_function = staticmethod(batch_hard_triplet_loss)
 
 
 @named_like_upstream(_upstream.BatchSemiHardTripletLoss)
 class BatchSemiHardTripletLoss(_BatchTripletLoss):
-    __doc__ = (
-        """Upstream's ``BatchSemiHardTripletLoss`` (same arguments, values, gradients and card) without 4.x's
+    __doc__ = """Upstream's ``BatchSemiHardTripletLoss`` (same arguments, values, gradients and card) without 4.x's
     B^2 x B tiling.
 
     Per positive pair, the negative is the nearest one that is farther than the positive (else the
     anchor's farthest negative); the loss is the mean of ``relu(d(a, p) - d(a, n) + margin)``.
-"""
-        + _ARGS
-        + _TRIPLET_REFERENCES
-        + _TRIPLET_INPUTS
-        + _EXAMPLE.replace("{name}", "BatchSemiHardTripletLoss")
-    )
+""" + _COMMON_DOC.replace("{name}", "BatchSemiHardTripletLoss")
 
     loss_function = staticmethod(batch_semi_hard_triplet_loss)
 
@@ -482,13 +448,11 @@ def triplet_settings(loss: nn.Module) -> tuple[TripletLossFunction, DistanceMetr
     if isinstance(loss, _BatchTripletLoss):
         return type(loss).loss_function, loss.distance_metric, loss.margin
     upstream = st_losses()
-    functions = {
-        "BatchAllTripletLoss": batch_all_triplet_loss,
-        "BatchHardTripletLoss": batch_hard_triplet_loss,
-        "BatchSemiHardTripletLoss": batch_semi_hard_triplet_loss,
-    }
-    for name, function in functions.items():
-        if type(loss) is getattr(upstream, name):
-            margin = loss.margin if name == "BatchSemiHardTripletLoss" else loss.triplet_margin
-            return function, loss.distance_metric, margin
+    for upstream_class, function, margin_name in (
+        (upstream.BatchAllTripletLoss, batch_all_triplet_loss, "triplet_margin"),
+        (upstream.BatchHardTripletLoss, batch_hard_triplet_loss, "triplet_margin"),
+        (upstream.BatchSemiHardTripletLoss, batch_semi_hard_triplet_loss, "margin"),
+    ):
+        if type(loss) is upstream_class:
+            return function, loss.distance_metric, getattr(loss, margin_name)
     return None
