@@ -16,7 +16,7 @@ from three steps:
    written straight into the three int64 output columns with running sums of sparse jumps, so
    the output is the only large allocation.
 
-This module imports only torch, so that losses can build on it.
+This module imports nothing from st_ext, so that losses can build on it.
 """
 
 from __future__ import annotations

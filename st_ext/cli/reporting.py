@@ -78,8 +78,8 @@ class StepMemoryRecorder(TrainerCallback):
         self._active = self._peak = None
 
     def _close_inner(self) -> PeakMemory | None:
-        """Close the forward-and-backward window (measurements nest: it closes before the step's). Closed
-        here by the step's end, it spanned the whole step and records nothing."""
+        """Close the forward-and-backward window (measurements nest: it closes before the step's) and return
+        its peak; ``on_step_end`` discards it, since by then it spanned the whole step."""
         inner, peak, self._inner, self._inner_peak = self._inner, self._inner_peak, None, None
         if inner is not None:
             inner.__exit__(None, None, None)

@@ -109,8 +109,8 @@ def memory_like(
 
 
 def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
-    """A new bank: the old rows followed by these (detached, in the bank's dtype), keeping the newest
-    ``memory_size``."""
+    """A new bank: the old rows followed by these (detached, in the bank's dtype, on their own device),
+    keeping the newest ``memory_size``."""
     embeddings, labels = embeddings.detach(), labels.detach()
     if len(labels) != len(embeddings):
         raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")

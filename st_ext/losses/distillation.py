@@ -120,7 +120,7 @@ def teacher_labels_from_features(
 def teacher_retokenizer(model: nn.Module, teacher: nn.Module):
     """Who decodes the model's rows for ``teacher``: the model's tokenizer for a CrossEncoder (it scores
     texts), else :func:`retokenizer_for`'s answer."""
-    return model.tokenizer if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
+    return getattr(model, "tokenizer", None) if is_cross_encoder(teacher) else retokenizer_for(model, teacher)
 
 
 def _check_columns(kind: str, num_columns: int) -> None:
@@ -338,7 +338,8 @@ def precompute_teacher_labels(
     """Return ``dataset`` with the teacher's labels for ``loss`` in ``label_column``.
 
     The upstream way to distil: train on the result with the bare ``loss``. Each row's label is what
-    ``DistillationLoss(loss, teacher)`` would compute live. ``columns`` defaults to the text columns
+    ``DistillationLoss(loss, teacher)`` would compute live: the teacher sees what the student's tokenizer
+    kept of the texts, not the raw strings. ``columns`` defaults to the text columns
     in order (query first). The teacher is frozen; with ``release_teacher=True`` it is released
     afterwards (:func:`st_ext.offload.release` with ``holders``); with ``device`` it is moved there
     only for the computation. The input dataset is not changed.

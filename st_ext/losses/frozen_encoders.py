@@ -259,7 +259,8 @@ class FrozenEncoderHolder:
     def _check_encoder_and_table(
         cls, encoder: nn.Module | None, table: KeyedRows | None, offloaded: bool, *, neither: Exception
     ) -> None:
-        """Raise ``neither`` without an encoder and a table."""
+        """Raise ``neither`` without an encoder and a table, and refuse a table of another class or an offload
+        with no encoder."""
         if encoder is None and table is None:
             raise neither
         if table is not None and not isinstance(table, cls.table_class):

@@ -188,14 +188,15 @@ def _graph_roots_saving(keys: set, roots: list[torch.Tensor]) -> dict[tuple[str,
             pending.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
     result: dict[tuple[str, int], list[torch.Tensor]] = {}
     for index, found in found_by_root.items():
-        for _ in range(len(covered_by) + 1):
-            if index not in covered_by:
+        outer = index
+        for _ in range(len(covered_by) + 1):  # bounded: covering never cycles, but a cap costs nothing
+            if outer not in covered_by:
                 break
-            index = covered_by[index]
+            outer = covered_by[outer]
         for key in found:
             holders = result.setdefault(key, [])
-            if not any(holder is roots[index] for holder in holders):
-                holders.append(roots[index])
+            if not any(holder is roots[outer] for holder in holders):
+                holders.append(roots[outer])
     return result
 
 

@@ -27,6 +27,10 @@ class MemoryReading:
     meter: str
     bytes: int | None
 
+    def __str__(self) -> str:
+        shown = "n/a" if self.bytes is None else format_bytes(self.bytes)
+        return f"{self.device} ({self.meter}): {shown}"
+
 
 def process_rss_bytes() -> int | None:
     """Resident set size of this process (anonymous and file-backed pages), Linux only."""
@@ -64,8 +68,9 @@ def return_freed_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    if glibc_malloc_trim() is not None:
-        glibc_malloc_trim()(0)
+    trim = glibc_malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @functools.cache

@@ -52,7 +52,7 @@ def require_resident(mode: str, trainer_name: str) -> str:
 
 def each_loss(loss: Any) -> list[Any]:
     """A trainer's losses: its one loss, or each loss of its dict (one per dataset)."""
-    return list(loss.values()) if isinstance(loss, dict) else [loss]
+    return [item for _, item in named_losses(loss)]
 
 
 def named_losses(loss: Any) -> list[tuple[str, Any]]:
