@@ -8,8 +8,8 @@ Three upstream failures, each shown by ``tests/test_distributed.py``:
    ``ACCELERATE_USE_CPU`` while the trainer is built.
 2. sentence-transformers 4.x's ``override_model_in_loss`` only swaps ``SentenceTransformer`` children,
    so a CrossEncoder loss keeps calling the unwrapped model and DDP never averages its gradients.
-   :func:`swap_model_in_loss` swaps any child that is the trainer's model, and
-   :func:`expose_model_attributes` gives the DDP wrapper what CrossEncoder losses read from the model.
+   :func:`swap_model_in_loss` swaps any child that is the trainer's model, and gives the DDP wrapper
+   what CrossEncoder losses read from the model.
 3. A CrossEncoder's forward returns the tokenizer's ``BatchEncoding`` (a ``UserDict``), in which DDP
    finds no output tensors; with ``find_unused_parameters=True`` every parameter is then marked ready
    twice. :func:`plain_dict_outputs` returns such outputs as plain dicts while training.
@@ -46,18 +46,14 @@ def keep_cpu_flag(args) -> Iterator[None]:
 
 
 def swap_model_in_loss(loss: nn.Module, wrapped: nn.Module) -> None:
-    """Point every ``.model`` in ``loss`` that is the model inside ``wrapped`` (DDP) at ``wrapped``."""
+    """Point every ``.model`` in ``loss`` that is the model inside ``wrapped`` (DDP) at ``wrapped``, and copy
+    onto ``wrapped`` the attributes CrossEncoder losses read from the model, where it lacks them."""
     model = getattr(wrapped, "module", None)
     if not isinstance(model, nn.Module):
         return
     for module in list(loss.modules()):
         if module.__dict__.get("_modules", {}).get("model") is model:
             module.model = wrapped
-    expose_model_attributes(wrapped, model)
-
-
-def expose_model_attributes(wrapped: nn.Module, model: nn.Module) -> None:
-    """Copy the attributes losses read from the model onto its wrapper, where the wrapper lacks them."""
     for name in CROSS_ENCODER_LOSS_ATTRIBUTES:
         if hasattr(model, name) and not hasattr(wrapped, name):
             setattr(wrapped, name, getattr(model, name))
