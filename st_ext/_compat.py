@@ -19,6 +19,7 @@ from typing import Any
 import sentence_transformers
 import sentence_transformers.util as st_util
 import torch
+import torch.distributed as dist
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -91,16 +92,14 @@ def upstream_model_classes() -> tuple[type, ...]:
 
 def st_modules() -> ModuleType:
     """The namespace of ``Transformer``, ``Pooling``, ``Asym``… (6.0 moved it; the old path warns)."""
-    if ST_VERSION >= Version("6.0.0"):
-        return importlib.import_module("sentence_transformers.sentence_transformer.modules")
-    return importlib.import_module("sentence_transformers.models")
+    path = "sentence_transformer.modules" if ST_VERSION >= Version("6.0.0") else "models"
+    return importlib.import_module(f"sentence_transformers.{path}")
 
 
 def st_losses() -> ModuleType:
-    """The upstream ``losses`` namespace for SentenceTransformer models (5.4 moved it; the old path warns)."""
-    if ST_VERSION >= Version("5.4.0"):
-        return importlib.import_module("sentence_transformers.sentence_transformer.losses")
-    return importlib.import_module("sentence_transformers.losses")
+    """The ``losses`` namespace for SentenceTransformer models (5.4 moved it; the old path warns)."""
+    path = "sentence_transformer.losses" if ST_VERSION >= Version("5.4.0") else "losses"
+    return importlib.import_module(f"sentence_transformers.{path}")
 
 
 def preprocess(model: nn.Module, texts: list, device: str | torch.device | None = None) -> dict:
@@ -176,8 +175,7 @@ def upstream_loss_class(name: str) -> type | None:
 
 
 def upstream_cached_loss_mixin() -> type | None:
-    """Upstream's shared GradCache base (``CachedLossMixin``, 5.7+), whose ``calculate_loss(reps,
-    labels, *, with_backward)`` st_ext can call; None on releases without it."""
+    """Upstream's shared GradCache base ``CachedLossMixin`` (5.7+; its ``calculate_loss`` also takes the labels)."""
     try:
         from sentence_transformers.base.losses.gradcache import CachedLossMixin
     except ImportError:
@@ -201,20 +199,18 @@ class AdaptiveLayerRules:
 
 
 def upstream_triplet_distance(name: str) -> Callable[[Tensor], Tensor] | None:
-    """Upstream's ``BatchHardTripletLossDistanceFunction.<name>``, or None where the installed release
-    has no such name (``euclidean_distance`` is newer than the misspelled ``eucledian_distance``)."""
+    """Upstream's ``BatchHardTripletLossDistanceFunction.<name>``, or None where the installed release lacks it
+    (``euclidean_distance`` is newer than the misspelled ``eucledian_distance``)."""
     return getattr(st_losses().BatchHardTripletLossDistanceFunction, name, None)
 
 
 def has_accelerate_hook(module: nn.Module) -> bool:
-    """Whether accelerate's dispatch hooked ``module``: its private ``_hf_hook``, or the ``_old_forward``
-    it keeps when it replaces ``forward``."""
+    """Whether accelerate's dispatch hooked ``module`` (``_hf_hook``, or the ``_old_forward`` it keeps)."""
     return hasattr(module, "_hf_hook") or hasattr(module, "_old_forward")
 
 
 def clear_placement_cache(module: nn.Module) -> None:
-    """Make ``module`` forget a cached accelerate placement hook (sentence-transformers 6 keeps one in
-    ``_accelerate_placement_hook`` and offers ``clear_placement_cache``); nothing where it has none."""
+    """Make ``module`` forget the accelerate placement hook sentence-transformers 6 caches on it; older ones cache none."""
     clear = getattr(module, "clear_placement_cache", None)
     if callable(clear):
         clear()
@@ -222,8 +218,7 @@ def clear_placement_cache(module: nn.Module) -> None:
 
 def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
     """(timestamp in ns, signed bytes) of every CPU allocation and free a stopped ``torch.profiler.profile``
-    recorded with ``profile_memory=True``, read from its private kineto results (``prof.profiler.kineto_results``):
-    the one place that gives every allocation and free with its own time, which a peak depends on."""
+    recorded with ``profile_memory=True``: only its private kineto results time each one, which a peak needs."""
     events = []
     for event in prof.profiler.kineto_results.events():
         if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
@@ -232,8 +227,7 @@ def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
 
 
 def unwrapped_model(model: nn.Module) -> nn.Module:
-    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (its private
-    ``._orig_mod``) wrappers, however nested."""
+    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
     while not isinstance(model, nn.Sequential):
         inner = getattr(model, "_orig_mod", None)
         if inner is None:
@@ -272,12 +266,7 @@ def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
 
 
 def get_rank() -> int:
-    """This process's rank, 0 when not running distributed."""
-    get = getattr(st_util, "get_rank", None)
-    if get is not None:
-        return get()
-    import torch.distributed as dist
-
+    """This process's rank, 0 when not running distributed (as upstream's ``util.get_rank``, which 4.x lacks)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -294,23 +283,19 @@ def separate_column_forwards():
     return column_merging_disabled()
 
 
-# ----------------------------------------------------------------- torch internals (st_ext.offload)
-# st_ext.offload edits a module's own registries in place, clears its hooks and reads autograd
-# nodes; these are the only places where it names torch's private attributes.
+# ----------------------------------------------------------------- private attributes of torch and others
+# A module's own registries (not its submodules'), editable in place.
 
 
 def own_parameters(module: nn.Module) -> dict:
-    """``module``'s own parameter registry (not its submodules'), editable in place."""
     return module._parameters
 
 
 def own_buffers(module: nn.Module) -> dict:
-    """``module``'s own buffer registry (not its submodules'), editable in place."""
     return module._buffers
 
 
 def own_submodules(module: nn.Module) -> dict:
-    """``module``'s own submodule registry (its children), editable in place."""
     return module._modules
 
 
@@ -330,14 +315,12 @@ def parser_option(parser: Any, option_string: str) -> Any:
 
 
 def ddp_static_graph_first_iteration(model: Any) -> bool:
-    """Whether a static-graph DDP model has yet to finish its first iteration, the one in which it
-    records which parameters are used (and reduces regardless of ``no_sync``)."""
+    """Whether a static-graph DDP model has yet to finish its first iteration (which reduces despite ``no_sync``)."""
     return getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
 def fsdp2_parameter_group(module: Any) -> Any:
-    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one (its state
-    is private; FSDP2 has setters for resharding, no getters)."""
+    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one."""
     return getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
 
 
@@ -360,8 +343,7 @@ PRIVATE_METHODS_OVERRIDDEN = {
 
 
 def can_swap_parameter_data(param: Tensor, data: Tensor) -> bool:
-    """Whether ``param.data = data`` keeps the parameter object (torch refuses it across tensor
-    types, e.g. from CPU to ``meta``)."""
+    """Whether ``param.data = data`` works (torch refuses it across tensor types, e.g. from CPU to ``meta``)."""
     return torch._has_compatible_shallow_copy_type(param, data)
 
 
@@ -395,8 +377,8 @@ def clear_module_hooks(module: nn.Module) -> int:
 
 
 def autograd_node_tensors(node: Any) -> list[Tensor]:
-    """Tensors an autograd node holds: ``variable`` of AccumulateGrad, ``_saved_*`` of built-in
-    nodes, ``saved_tensors`` of custom ``autograd.Function`` nodes (e.g. checkpointing)."""
+    """Tensors an autograd node holds: AccumulateGrad's ``variable``, built-in nodes' ``_saved_*``, custom
+    ``autograd.Function`` nodes' ``saved_tensors`` (e.g. checkpointing)."""
     variable = getattr(node, "variable", None)
     found = [variable] if isinstance(variable, Tensor) else []
     for attribute in dir(node):
@@ -412,7 +394,7 @@ def autograd_node_tensors(node: Any) -> list[Tensor]:
 
 
 def information_retrieval_evaluator() -> type:
-    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it under ``sentence_transformer.evaluation``; the old path warns)."""
+    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it; the old path warns)."""
     try:
         from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
     except ImportError:

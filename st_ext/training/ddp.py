@@ -24,25 +24,17 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from st_ext.training import entries_set
+
 # What CrossEncoder losses read from ``self.model`` besides calling it.
 CROSS_ENCODER_LOSS_ATTRIBUTES = ("tokenizer", "device", "num_labels", "preprocess", "get_embedding_dimension")
 
 
-@contextlib.contextmanager
-def keep_cpu_flag(args) -> Iterator[None]:
+def keep_cpu_flag(args) -> contextlib.AbstractContextManager[None]:
     """Set ``ACCELERATE_USE_CPU`` while the block runs when ``args.use_cpu`` asks for the CPU."""
     if not getattr(args, "use_cpu", False):
-        yield
-        return
-    previous = os.environ.get("ACCELERATE_USE_CPU")
-    os.environ["ACCELERATE_USE_CPU"] = "true"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("ACCELERATE_USE_CPU", None)
-        else:
-            os.environ["ACCELERATE_USE_CPU"] = previous
+        return contextlib.nullcontext()
+    return entries_set(os.environ, {"ACCELERATE_USE_CPU": "true"})
 
 
 def swap_model_in_loss(loss: nn.Module, wrapped: nn.Module) -> None:

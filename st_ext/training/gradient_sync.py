@@ -24,13 +24,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from st_ext import _compat
 from st_ext._compat import compiled_module, fsdp2_module_class
+from st_ext.training import entries_set
 
 #: The parameter attribute DeepSpeed ZeRO (0.17 and later) reads before queueing a gradient for
 #: reduction: while it is False the gradient accumulates in ``.grad`` and is not reduced.
@@ -46,7 +46,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
     model = compiled_module(model)
     if isinstance(model, DistributedDataParallel):
         if _compat.ddp_static_graph_first_iteration(model):
-            return _attribute_set(model, "require_backward_grad_sync", True)
+            return entries_set(vars(model), {"require_backward_grad_sync": True})
         if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
             return nullcontext()
         return model.no_sync()
@@ -58,28 +58,13 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-@contextmanager
-def _attribute_set(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """``obj.<name>`` is ``value`` inside the block, then as before (absent where it was absent)."""
-    missing = object()
-    before = getattr(obj, name, missing)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if before is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, before)
-
-
 def without_forward_collectives(model: nn.Module) -> AbstractContextManager[None]:
     """A forward pass that only this rank runs: DDP skips its buffer broadcast before it (a collective the
     other ranks would not join)."""
     model = compiled_module(model)
     if not isinstance(model, DistributedDataParallel):
         return nullcontext()
-    return _attribute_set(model, "require_forward_param_sync", False)
+    return entries_set(vars(model), {"require_forward_param_sync": False})
 
 
 def parameters_sharded(model: nn.Module) -> bool:
@@ -135,5 +120,5 @@ def _deepspeed_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     with ExitStack() as stack:
         for param in model.parameters():
             if param.requires_grad:
-                stack.enter_context(_attribute_set(param, DEEPSPEED_READY_FLAG, sync))
+                stack.enter_context(entries_set(vars(param), {DEEPSPEED_READY_FLAG: sync}))
         yield

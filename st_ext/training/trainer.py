@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
 from functools import partial
 
 import sentence_transformers
@@ -24,6 +23,7 @@ from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
+from st_ext.training import entries_set
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
 from st_ext.training.frozen_encoders import (
@@ -45,24 +45,12 @@ _LENT_METHODS = (
 )
 
 
-@contextlib.contextmanager
-def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
+def lend_checkpointing_methods(model: nn.Module | None) -> contextlib.AbstractContextManager[None]:
     """Give ``model`` st_ext's checkpointing methods while the block runs, unless it already has them."""
     if model is None or isinstance(model, CheckpointingMixin):
-        yield
-        return
-    missing = object()
-    previous = {name: model.__dict__.get(name, missing) for name in _LENT_METHODS}
-    for name in _LENT_METHODS:
-        model.__dict__[name] = types.MethodType(getattr(CheckpointingMixin, name), model)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is missing:
-                model.__dict__.pop(name, None)
-            else:
-                model.__dict__[name] = value
+        return contextlib.nullcontext()
+    lent = {name: types.MethodType(getattr(CheckpointingMixin, name), model) for name in _LENT_METHODS}
+    return entries_set(vars(model), lent)
 
 
 class CheckpointingTrainerMixin:
