@@ -5,16 +5,9 @@ Swap the import and keep the training script::
     from st_ext import SentenceTransformer, CrossEncoder, SentenceTransformerTrainer, CrossEncoderTrainer, losses
 
 ``SparseEncoder`` (sentence-transformers 5.0+) and ``MultiVectorEncoder`` (6.0+), with their trainers and
-training arguments, are here too where the installed release has them; on an older release importing
-one raises an ImportError naming the release it needs.
-
-Every other public name and module path of the installed sentence-transformers answers here too, as
-upstream's object (``from st_ext import util, InputExample``, ``from st_ext.evaluation import
-InformationRetrievalEvaluator``; see :mod:`st_ext._upstream_aliases`), so that swapping the import is
-the only change a training script needs.
-
-The names load on first use, so that ``st-ext --help`` (whose console script lives in this package)
-answers without importing torch.
+training arguments, are here where the installed release has them. Every other public name and module path of
+the installed sentence-transformers answers here as upstream's object (see :mod:`st_ext._upstream_aliases`).
+Names load on first use, so that ``st-ext --help`` answers without importing torch.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ _SOURCES = {
 
 
 def _public_names() -> list[str]:
-    """st_ext's names and upstream's ``__all__``."""
     from st_ext import _compat
 
     ours = {name for name in _SOURCES if _compat.missing_archetype_error(name) is None}
@@ -51,8 +43,7 @@ def _public_names() -> list[str]:
 
 
 def __getattr__(name: str):
-    """Load a public name on first use: st_ext's own (naming the sentence-transformers release an archetype
-    needs when the installed one lacks it), else upstream's (a submodule as ``st_ext.<name>``)."""
+    """Load a public name on first use: st_ext's own, else upstream's (a submodule as ``st_ext.<name>``)."""
     if name == "__all__":
         return _public_names()
     if name in _SOURCES:

@@ -1,39 +1,9 @@
-"""The one place that knows which upstream versions are installed and how they differ.
+"""The one place that knows which upstream versions are installed, how they differ, and which private APIs st_ext uses.
 
-Supported: sentence-transformers 4.1.0 … 6.2.0 on transformers 4.51 … 5.x. Importing this module
-(and so st_ext) with a sentence-transformers outside pyproject's ``>=4.1.0,<6.3`` raises an ImportError
-that names the installed release and the command that fixes it. Everything else in st_ext asks this
-module instead of comparing versions, probing upstream classes for features, or reaching into private
-APIs itself. The differences that matter:
-
-* sentence-transformers 5.4 made ``CrossEncoder`` a modular ``nn.Sequential``; before, it was an
-  ``nn.Module`` holding the Hugging Face classifier in ``.model``.
-* sentence-transformers 5.4 moved ``sentence_transformers.losses`` to
-  ``sentence_transformers.sentence_transformer.losses`` and 6.0 moved ``sentence_transformers.models``
-  to ``sentence_transformers.sentence_transformer.modules`` (the old paths warn).
-* Losses: 6.x marks losses that back-propagate from a hook with ``uses_gradient_cache`` (older
-  releases are recognised by class), ``util.all_gather_with_grad`` exists only in newer releases,
-  and 6.x's non-cached losses may embed all input columns in one merged forward pass.
-* Losses that come and go: ``DistillKLDivLoss`` is missing from 4.1 (:func:`upstream_loss_class`);
-  5.7 added a shared GradCache base, ``CachedLossMixin``, whose ``calculate_loss`` also takes the
-  labels (:func:`upstream_cached_loss_mixin`); ``MarginMSELoss`` takes several negatives from 5.0.
-* ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``) sample among the hidden states 1 … L-1 before 5.2,
-  and among 0 … L-1 (the embedding output included) from 5.2; from 5.7 the final layer is a detached
-  KL teacher and prior layers are weighted by ``get_layer_weight`` (``layer_weighting``), before that
-  by ``1 / (1 + index)`` (:class:`AdaptiveLayerRules`).
-* ``BatchHardTripletLossDistanceFunction`` spells its Euclidean distance ``eucledian_distance`` on
-  every release and also ``euclidean_distance`` on newer ones (:func:`upstream_triplet_distance`).
-* sentence-transformers 6 caches accelerate's placement hook on the model and offers
-  ``clear_placement_cache`` (:func:`clear_placement_cache`); accelerate marks the modules it
-  dispatched with private attributes (:func:`has_accelerate_hook`).
-* torch's profiler gives per-allocation sizes with timestamps only through its private kineto
-  results (:func:`profiler_cpu_memory_events`).
-* Archetypes: ``SparseEncoder`` (with its trainer and training arguments) arrived in 5.0,
-  ``MultiVectorEncoder`` in 6.0; :func:`missing_archetype_error` says which release a name needs.
-* transformers 5 renamed ``gradient_checkpointing_enable/disable`` and ``is_gradient_checkpointing``
-  to ``activation_checkpointing_enable/disable`` and ``is_activation_checkpointing`` (the old names
-  warn that they "will be removed in v6") and defaults ``use_reentrant`` to False; transformers 4
-  only has the old names and defaults ``use_reentrant`` to True.
+Supported: sentence-transformers 4.1.0 … 6.2.0 on transformers 4.51 … 5.x; importing this module with a
+release outside pyproject's range raises an ImportError naming the fix. The rest of st_ext asks this module
+instead of comparing versions, probing upstream classes for features or reaching into private APIs
+(tests/test_private_api.py enforces the last).
 """
 
 from __future__ import annotations
@@ -49,6 +19,7 @@ from typing import Any
 import sentence_transformers
 import sentence_transformers.util as st_util
 import torch
+import torch.distributed as dist
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -81,10 +52,11 @@ CROSS_ENCODER_HAS_CHECKPOINTING = ST_VERSION >= Version("5.0.0")
 #: ``MarginMSELoss`` takes (query, positive, negative_1..n) from 5.0.0; before, exactly one negative.
 MARGIN_MSE_TAKES_MANY_NEGATIVES = ST_VERSION >= Version("5.0.0")
 
-#: transformers' own name for the checkpointing switch (transformers 5 deprecates the old one).
 #: Whether DDP's ``no_sync`` keeps track of the parameters a held backward used when it searches for
 #: unused ones (torch 2.4, pytorch PR #124193).
 DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS = Version(torch.__version__).release >= (2, 4)
+#: transformers 5 renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*`` (the old names warn that
+#: they "will be removed in v6") and defaults ``use_reentrant`` to False; transformers 4 has only the old names.
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 
 #: The first sentence-transformers release of each archetype beyond SentenceTransformer and CrossEncoder.
@@ -100,9 +72,9 @@ ARCHETYPE_OF_NAME = {
 def missing_archetype_error(name: str) -> ImportError | None:
     """The ImportError for ``name`` when it belongs to an archetype the installed release lacks, else None."""
     archetype = ARCHETYPE_OF_NAME.get(name)
-    if archetype is None or ST_VERSION >= ARCHETYPE_SINCE[archetype]:
+    since = ARCHETYPE_SINCE.get(archetype)
+    if since is None or ST_VERSION >= since:
         return None
-    since = ARCHETYPE_SINCE[archetype]
     return ImportError(
         f"{name} needs sentence-transformers >= {since} (where {archetype} first appeared); "
         f"sentence-transformers {ST_VERSION} is installed. "
@@ -119,17 +91,15 @@ def upstream_model_classes() -> tuple[type, ...]:
 
 
 def st_modules() -> ModuleType:
-    """The module namespace holding ``Transformer``, ``Pooling``, ``StaticEmbedding``, ``Asym``…"""
-    if ST_VERSION >= Version("6.0.0"):
-        return importlib.import_module("sentence_transformers.sentence_transformer.modules")
-    return importlib.import_module("sentence_transformers.models")
+    """The namespace of ``Transformer``, ``Pooling``, ``Asym``… (6.0 moved it; the old path warns)."""
+    path = "sentence_transformer.modules" if ST_VERSION >= Version("6.0.0") else "models"
+    return importlib.import_module(f"sentence_transformers.{path}")
 
 
 def st_losses() -> ModuleType:
-    """The upstream ``losses`` namespace for SentenceTransformer models (5.4 moved it; the old path warns)."""
-    if ST_VERSION >= Version("5.4.0"):
-        return importlib.import_module("sentence_transformers.sentence_transformer.losses")
-    return importlib.import_module("sentence_transformers.losses")
+    """The ``losses`` namespace for SentenceTransformer models (5.4 moved it; the old path warns)."""
+    path = "sentence_transformer.losses" if ST_VERSION >= Version("5.4.0") else "losses"
+    return importlib.import_module(f"sentence_transformers.{path}")
 
 
 def preprocess(model: nn.Module, texts: list, device: str | torch.device | None = None) -> dict:
@@ -147,32 +117,24 @@ def embedding_dimension(model: nn.Module) -> int | None:
     return method()
 
 
-def hf_checkpointing_enable(model: transformers.PreTrainedModel, checkpoint_kwargs: dict, **extra: Any) -> None:
-    """Switch checkpointing on in a Hugging Face model by the name its transformers version prefers.
+def _hf_name(name: str) -> str:
+    """``name`` (``checkpointing_enable``…) as the installed transformers prefers to spell it."""
+    return ("activation_" if HF_HAS_ACTIVATION_CHECKPOINTING else "gradient_") + name
 
-    ``extra`` (transformers 5's ``every_n_layers``, ``offload``) is passed only where accepted.
-    """
-    if HF_HAS_ACTIVATION_CHECKPOINTING:
-        method = model.activation_checkpointing_enable
-        method(activation_checkpointing_kwargs=checkpoint_kwargs, **accepted_kwargs(method, extra))
-    else:
-        method = model.gradient_checkpointing_enable
-        method(gradient_checkpointing_kwargs=checkpoint_kwargs, **accepted_kwargs(method, extra))
+
+def hf_checkpointing_enable(model: transformers.PreTrainedModel, checkpoint_kwargs: dict, **extra: Any) -> None:
+    """Switch checkpointing on in a Hugging Face model; ``extra`` (transformers 5's ``every_n_layers``,
+    ``offload``) is passed only where accepted."""
+    method = getattr(model, _hf_name("checkpointing_enable"))
+    method(**{_hf_name("checkpointing_kwargs"): checkpoint_kwargs}, **accepted_kwargs(method, extra))
 
 
 def hf_checkpointing_disable(model: transformers.PreTrainedModel) -> None:
-    """Switch checkpointing off in a Hugging Face model by the name its transformers version prefers."""
-    if HF_HAS_ACTIVATION_CHECKPOINTING:
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
+    getattr(model, _hf_name("checkpointing_disable"))()
 
 
 def hf_is_checkpointing(model: transformers.PreTrainedModel) -> bool:
-    """Whether a Hugging Face model checkpoints, read by the name its transformers version prefers."""
-    if HF_HAS_ACTIVATION_CHECKPOINTING:
-        return bool(model.is_activation_checkpointing)
-    return bool(model.is_gradient_checkpointing)
+    return bool(getattr(model, "is_" + _hf_name("checkpointing")))
 
 
 def accepted_kwargs(function, kwargs: dict) -> dict:
@@ -188,41 +150,32 @@ def is_hf_model(module: nn.Module) -> bool:
     return isinstance(module, transformers.PreTrainedModel)
 
 
-UPSTREAM_CACHED_LOSS_NAMES = (
-    "CachedMultipleNegativesRankingLoss",
-    "CachedMultipleNegativesSymmetricRankingLoss",
-    "CachedGISTEmbedLoss",
-)
-
-
-def upstream_cached_loss_classes() -> tuple[type, ...]:
-    """The upstream loss classes that defer their backward pass to a hook on the returned loss."""
-    namespace = st_losses()
-    return tuple(getattr(namespace, name) for name in UPSTREAM_CACHED_LOSS_NAMES if hasattr(namespace, name))
-
-
 def is_gradient_caching(loss: Any) -> bool:
-    """Whether ``loss`` runs its own backward passes (GradCache hook, or per-mini-batch backward in forward).
+    """Whether ``loss`` runs its own backward passes (GradCache hook, or per-mini-batch backward in forward):
+    nothing that only watches its forward pass sees the work that produces its gradients.
 
-    Such a loss cannot be wrapped by anything that only watches its forward pass: the work that
-    produces its gradients happens outside that window.
+    6.x marks such losses with ``uses_gradient_cache``; older releases' are recognised by class.
     """
     if getattr(loss, "uses_gradient_cache", False):
         return True
-    if isinstance(loss, upstream_cached_loss_classes()):
+    namespace = st_losses()
+    names = (
+        "CachedMultipleNegativesRankingLoss",
+        "CachedMultipleNegativesSymmetricRankingLoss",
+        "CachedGISTEmbedLoss",
+    )
+    if isinstance(loss, tuple(getattr(namespace, name) for name in names if hasattr(namespace, name))):
         return True
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
 
 def upstream_loss_class(name: str) -> type | None:
-    """Upstream's loss class ``name``, or None where the installed release lacks it (4.1 has no
-    ``DistillKLDivLoss``)."""
+    """Upstream's loss class ``name``, or None where the installed release lacks it (4.1: ``DistillKLDivLoss``)."""
     return getattr(st_losses(), name, None)
 
 
 def upstream_cached_loss_mixin() -> type | None:
-    """Upstream's shared GradCache base (``CachedLossMixin``, 5.7+), whose ``calculate_loss(reps,
-    labels, *, with_backward)`` st_ext can call; None on releases without it."""
+    """Upstream's shared GradCache base ``CachedLossMixin`` (5.7+; its ``calculate_loss`` also takes the labels)."""
     try:
         from sentence_transformers.base.losses.gradcache import CachedLossMixin
     except ImportError:
@@ -246,20 +199,18 @@ class AdaptiveLayerRules:
 
 
 def upstream_triplet_distance(name: str) -> Callable[[Tensor], Tensor] | None:
-    """Upstream's ``BatchHardTripletLossDistanceFunction.<name>``, or None where the installed release
-    has no such name (``euclidean_distance`` is newer than the misspelled ``eucledian_distance``)."""
+    """Upstream's ``BatchHardTripletLossDistanceFunction.<name>``, or None where the installed release lacks it
+    (``euclidean_distance`` is newer than the misspelled ``eucledian_distance``)."""
     return getattr(st_losses().BatchHardTripletLossDistanceFunction, name, None)
 
 
 def has_accelerate_hook(module: nn.Module) -> bool:
-    """Whether accelerate's dispatch hooked ``module``: its private ``_hf_hook``, or the ``_old_forward``
-    it keeps when it replaces ``forward``."""
+    """Whether accelerate's dispatch hooked ``module`` (``_hf_hook``, or the ``_old_forward`` it keeps)."""
     return hasattr(module, "_hf_hook") or hasattr(module, "_old_forward")
 
 
 def clear_placement_cache(module: nn.Module) -> None:
-    """Make ``module`` forget a cached accelerate placement hook (sentence-transformers 6 keeps one in
-    ``_accelerate_placement_hook`` and offers ``clear_placement_cache``); nothing where it has none."""
+    """Make ``module`` forget the accelerate placement hook sentence-transformers 6 caches on it; older ones cache none."""
     clear = getattr(module, "clear_placement_cache", None)
     if callable(clear):
         clear()
@@ -267,8 +218,7 @@ def clear_placement_cache(module: nn.Module) -> None:
 
 def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
     """(timestamp in ns, signed bytes) of every CPU allocation and free a stopped ``torch.profiler.profile``
-    recorded with ``profile_memory=True``, read from its private kineto results (``prof.profiler.kineto_results``):
-    the one place that gives every allocation and free with its own time, which a peak depends on."""
+    recorded with ``profile_memory=True``: only its private kineto results time each one, which a peak needs."""
     events = []
     for event in prof.profiler.kineto_results.events():
         if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
@@ -277,8 +227,7 @@ def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
 
 
 def unwrapped_model(model: nn.Module) -> nn.Module:
-    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (its private
-    ``._orig_mod``) wrappers, however nested."""
+    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
     while not isinstance(model, nn.Sequential):
         inner = getattr(model, "_orig_mod", None)
         if inner is None:
@@ -317,12 +266,7 @@ def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
 
 
 def get_rank() -> int:
-    """This process's rank, 0 when not running distributed."""
-    get = getattr(st_util, "get_rank", None)
-    if get is not None:
-        return get()
-    import torch.distributed as dist
-
+    """This process's rank, 0 when not running distributed (as upstream's ``util.get_rank``, which 4.x lacks)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -339,23 +283,19 @@ def separate_column_forwards():
     return column_merging_disabled()
 
 
-# ----------------------------------------------------------------- torch internals (st_ext.offload)
-# st_ext.offload edits a module's own registries in place, clears its hooks and reads autograd
-# nodes; these are the only places where it names torch's private attributes.
+# ----------------------------------------------------------------- private attributes of torch and others
+# A module's own registries (not its submodules'), editable in place.
 
 
 def own_parameters(module: nn.Module) -> dict:
-    """``module``'s own parameter registry (not its submodules'), editable in place."""
     return module._parameters
 
 
 def own_buffers(module: nn.Module) -> dict:
-    """``module``'s own buffer registry (not its submodules'), editable in place."""
     return module._buffers
 
 
 def own_submodules(module: nn.Module) -> dict:
-    """``module``'s own submodule registry (its children), editable in place."""
     return module._modules
 
 
@@ -375,14 +315,12 @@ def parser_option(parser: Any, option_string: str) -> Any:
 
 
 def ddp_static_graph_first_iteration(model: Any) -> bool:
-    """Whether a static-graph DDP model has yet to finish its first iteration, the one in which it
-    records which parameters are used (and reduces regardless of ``no_sync``)."""
+    """Whether a static-graph DDP model has yet to finish its first iteration (which reduces despite ``no_sync``)."""
     return getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
 def fsdp2_parameter_group(module: Any) -> Any:
-    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one (its state
-    is private; FSDP2 has setters for resharding, no getters)."""
+    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one."""
     return getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
 
 
@@ -405,8 +343,7 @@ PRIVATE_METHODS_OVERRIDDEN = {
 
 
 def can_swap_parameter_data(param: Tensor, data: Tensor) -> bool:
-    """Whether ``param.data = data`` keeps the parameter object (torch refuses it across tensor
-    types, e.g. from CPU to ``meta``)."""
+    """Whether ``param.data = data`` works (torch refuses it across tensor types, e.g. from CPU to ``meta``)."""
     return torch._has_compatible_shallow_copy_type(param, data)
 
 
@@ -440,8 +377,8 @@ def clear_module_hooks(module: nn.Module) -> int:
 
 
 def autograd_node_tensors(node: Any) -> list[Tensor]:
-    """Tensors an autograd node holds: ``variable`` of AccumulateGrad, ``_saved_*`` of built-in
-    nodes, ``saved_tensors`` of custom ``autograd.Function`` nodes (e.g. checkpointing)."""
+    """Tensors an autograd node holds: AccumulateGrad's ``variable``, built-in nodes' ``_saved_*``, custom
+    ``autograd.Function`` nodes' ``saved_tensors`` (e.g. checkpointing)."""
     variable = getattr(node, "variable", None)
     found = [variable] if isinstance(variable, Tensor) else []
     for attribute in dir(node):
@@ -457,7 +394,7 @@ def autograd_node_tensors(node: Any) -> list[Tensor]:
 
 
 def information_retrieval_evaluator() -> type:
-    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it under ``sentence_transformer.evaluation``; the old path warns)."""
+    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it; the old path warns)."""
     try:
         from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
     except ImportError:

@@ -1,29 +1,20 @@
 """Upstream's module paths under st_ext's name: ``import st_ext.evaluation``, ``from st_ext.models import Pooling``.
 
-st_ext is a drop-in for sentence-transformers, so every module path a training script imports from
-``sentence_transformers`` has to import from ``st_ext`` as well. The paths change from release to release
-(5.4 and 6.0 moved most modules and left deprecated paths behind), so instead of one st_ext file per upstream
-module, a meta path finder (installed by ``st_ext/__init__.py``; this module imports only the standard
-library, so ``import st_ext`` stays cheap) answers ``st_ext.<path>`` by importing ``sentence_transformers.<path>``
-(upstream's deprecated paths included, wherever upstream still has them) and hands back:
+Upstream's paths change between releases (5.4 and 6.0 moved most modules and left deprecated paths behind), so
+instead of one st_ext file per upstream module, a meta path finder (installed by ``st_ext/__init__.py``; this
+module imports only the standard library, so ``import st_ext`` stays cheap) answers ``st_ext.<path>`` with:
 
-* upstream's module object itself, so that ``isinstance`` checks, ``monkeypatch`` and module state are shared
-  with code that imports upstream's path;
-* or, where the module offers an object st_ext replaces (:func:`replaced`; :func:`offered`:
-  ``sentence_transformers.cross_encoder`` offers ``CrossEncoder``, ``sentence_transformers.losses.MatryoshkaLoss``
-  defines ``MatryoshkaLoss``) and its parent is st_ext's own, a thin st_ext module that reads through to
-  upstream's and answers st_ext's object for those names: ``from st_ext.cross_encoder import CrossEncoder`` is
-  st_ext's class, as is ``from st_ext import CrossEncoder``. Below a module that is upstream's own, paths stay
-  upstream's, so an attribute and an import of the same path always agree.
+* upstream's module object itself, so that ``isinstance``, ``monkeypatch`` and module state are shared;
+* or, where that module offers an object st_ext replaces (``sentence_transformers.cross_encoder`` offers
+  ``CrossEncoder``) and its parent is st_ext's own, a thin st_ext module that reads through to upstream's and
+  answers st_ext's object for those names. Below a module that is upstream's own, paths stay upstream's, so an
+  attribute and an import of the same path always agree.
 
-st_ext's own modules win: a path with a file in st_ext (``st_ext.losses``, ``st_ext.models``,
-``st_ext.trainer``) is never aliased, while the upstream paths below them that st_ext lacks are
-(``st_ext.losses.MatryoshkaLoss``, ``st_ext.models.tokenizer``).
-
-The import system binds every freshly loaded submodule on its parent. Where the parent is upstream's own
-module, or already answers that name with something that is not a module (``sentence_transformers.SentenceTransformer``
-is a module path and the class; so is every ``losses.<Loss>`` on 4.x), that binding is dropped: importing an
-st_ext path never changes what upstream's modules or st_ext's names hold.
+A path with a file in st_ext (``st_ext.losses``, ``st_ext.models``) is never aliased; the upstream paths below it
+that st_ext lacks are (``st_ext.losses.MatryoshkaLoss``). The import system binds every loaded submodule on its
+parent; where the parent is upstream's, or answers that name with something that is not a module
+(``sentence_transformers.SentenceTransformer`` is a module path and the class), that binding is dropped, so
+importing an st_ext path never changes what upstream's modules or st_ext's names hold.
 """
 
 from __future__ import annotations
@@ -51,33 +42,29 @@ def upstream_path(name: str) -> str:
     return UPSTREAM + name[len(PACKAGE) :]
 
 
-def replaced() -> dict[str, tuple[Any, Any]]:
-    """Upstream's object and st_ext's for every upstream name st_ext replaces, by that name (``losses.<Loss>``
-    for a loss). Read from st_ext's two declarations: ``st_ext._SOURCES`` (the archetypes and trainers that
-    come from st_ext's own modules) and ``st_ext.losses.ST_EXT_LOSSES`` (where a name is also upstream's)."""
-    st_ext = sys.modules[PACKAGE]
-    upstream = importlib.import_module(UPSTREAM)
-    table = {
-        name: (getattr(upstream, name), getattr(st_ext, name))
-        for name, source in st_ext._SOURCES.items()
-        if source != UPSTREAM and hasattr(upstream, name)
-    }
-    losses = importlib.import_module(f"{PACKAGE}.losses")
-    upstream_losses = importlib.import_module(f"{PACKAGE}._compat").st_losses()
-    for name in losses.ST_EXT_LOSSES:
-        if hasattr(upstream_losses, name):
-            table[f"losses.{name}"] = (getattr(upstream_losses, name), getattr(losses, name))
-    return table
-
-
 _replacements: dict[int, tuple[Any, Any]] | None = None
 
 
 def _replacement_of(value: Any) -> Any:
-    """st_ext's object where ``value`` is one st_ext replaces, else ``value``."""
+    """st_ext's object where ``value`` is upstream's object that st_ext replaces, else ``value``. The replacements
+    come from st_ext's two declarations: ``st_ext._SOURCES`` and ``st_ext.losses.ST_EXT_LOSSES``."""
     global _replacements
     if _replacements is None:
-        _replacements = {id(upstream): (upstream, ours) for upstream, ours in replaced().values()}
+        st_ext = sys.modules[PACKAGE]
+        upstream = importlib.import_module(UPSTREAM)
+        pairs = [
+            (getattr(upstream, name), getattr(st_ext, name))
+            for name, source in st_ext._SOURCES.items()
+            if source != UPSTREAM and hasattr(upstream, name)
+        ]
+        losses = importlib.import_module(f"{PACKAGE}.losses")
+        upstream_losses = importlib.import_module(f"{PACKAGE}._compat").st_losses()
+        pairs += [
+            (getattr(upstream_losses, name), getattr(losses, name))
+            for name in losses.ST_EXT_LOSSES
+            if hasattr(upstream_losses, name)
+        ]
+        _replacements = {id(theirs): (theirs, ours) for theirs, ours in pairs}
     entry = _replacements.get(id(value))
     return entry[1] if entry is not None and entry[0] is value else value
 
@@ -95,7 +82,7 @@ def resolve(name: str, upstream: ModuleType, attribute: str) -> Any:
 
 
 def offered(module: ModuleType) -> list[Any]:
-    """What ``module`` offers: the objects of its ``__all__``, else those it defines (not those it imports)."""
+    """The objects of ``module``'s ``__all__``, else those it defines (not those it imports)."""
     names = getattr(module, "__all__", None)
     if names is not None:
         return [getattr(module, name, None) for name in names]
@@ -131,9 +118,13 @@ _dropped: dict[int, set[str]] = {}
 _keeping_classes: dict[type, type] = {}
 
 
-def _keeping_class(base: type) -> type:
-    """A subclass of the module class ``base`` that ignores the binding of a submodule :func:`_drop_binding`
-    announced, then turns the module back into a ``base``."""
+def _drop_binding(parent: ModuleType, attribute: str) -> None:
+    """Have the import system's coming ``setattr(parent, attribute, submodule)`` ignored: ``parent`` turns into a
+    subclass of its module class that ignores it, and back once every announced binding has come."""
+    _dropped.setdefault(id(parent), set()).add(attribute)
+    base = type(parent)
+    if base in _keeping_classes.values():
+        return
     if base not in _keeping_classes:
 
         def __setattr__(self, attribute: str, value: Any) -> None:
@@ -147,14 +138,7 @@ def _keeping_class(base: type) -> type:
             base.__setattr__(self, attribute, value)
 
         _keeping_classes[base] = type(f"_Keeping{base.__name__}", (base,), {"__setattr__": __setattr__})
-    return _keeping_classes[base]
-
-
-def _drop_binding(parent: ModuleType, attribute: str) -> None:
-    """Have the import system's coming ``setattr(parent, attribute, submodule)`` ignored."""
-    _dropped.setdefault(id(parent), set()).add(attribute)
-    if type(parent) not in _keeping_classes.values():
-        parent.__class__ = _keeping_class(type(parent))
+    parent.__class__ = _keeping_classes[base]
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -200,12 +184,10 @@ def _importer_frame():
 
 
 def _import_upstream(name: str) -> ModuleType:
-    """Import upstream's module ``name``. A deprecated path (5.4+) makes upstream warn at the first frame outside
-    its machinery, which is this module's; the warning is told again at the importer's line with st_ext's paths
-    ("Importing from 'st_ext.evaluation' is deprecated … use 'st_ext.sentence_transformer.evaluation'"), so that it
-    shows where and as upstream's own import would show it. Its warnings about the parent paths are dropped: the
-    importer has imported those through st_ext already (and ``st_ext.models`` is st_ext's own, not deprecated).
-    Other warnings pass through unchanged."""
+    """Import upstream's module ``name``. Upstream (5.4+) warns of a deprecated path at the first frame outside its
+    machinery, which is this module's; that warning is told again at the importer's line with st_ext's paths, as
+    upstream's own import would show it. Its warnings about the parent paths are dropped (the importer imported
+    those through st_ext already, and ``st_ext.models`` is not deprecated); other warnings pass through."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.filterwarnings("always", category=DeprecationWarning, module=re.escape(__name__))
         module = importlib.import_module(name)

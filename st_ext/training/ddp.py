@@ -8,8 +8,8 @@ Three upstream failures, each shown by ``tests/test_distributed.py``:
    ``ACCELERATE_USE_CPU`` while the trainer is built.
 2. sentence-transformers 4.x's ``override_model_in_loss`` only swaps ``SentenceTransformer`` children,
    so a CrossEncoder loss keeps calling the unwrapped model and DDP never averages its gradients.
-   :func:`swap_model_in_loss` swaps any child that is the trainer's model, and
-   :func:`expose_model_attributes` gives the DDP wrapper what CrossEncoder losses read from the model.
+   :func:`swap_model_in_loss` swaps any child that is the trainer's model, and gives the DDP wrapper
+   what CrossEncoder losses read from the model.
 3. A CrossEncoder's forward returns the tokenizer's ``BatchEncoding`` (a ``UserDict``), in which DDP
    finds no output tensors; with ``find_unused_parameters=True`` every parameter is then marked ready
    twice. :func:`plain_dict_outputs` returns such outputs as plain dicts while training.
@@ -24,40 +24,28 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from st_ext.training import entries_set
+
 # What CrossEncoder losses read from ``self.model`` besides calling it.
 CROSS_ENCODER_LOSS_ATTRIBUTES = ("tokenizer", "device", "num_labels", "preprocess", "get_embedding_dimension")
 
 
-@contextlib.contextmanager
-def keep_cpu_flag(args) -> Iterator[None]:
+def keep_cpu_flag(args) -> contextlib.AbstractContextManager[None]:
     """Set ``ACCELERATE_USE_CPU`` while the block runs when ``args.use_cpu`` asks for the CPU."""
     if not getattr(args, "use_cpu", False):
-        yield
-        return
-    previous = os.environ.get("ACCELERATE_USE_CPU")
-    os.environ["ACCELERATE_USE_CPU"] = "true"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("ACCELERATE_USE_CPU", None)
-        else:
-            os.environ["ACCELERATE_USE_CPU"] = previous
+        return contextlib.nullcontext()
+    return entries_set(os.environ, {"ACCELERATE_USE_CPU": "true"})
 
 
 def swap_model_in_loss(loss: nn.Module, wrapped: nn.Module) -> None:
-    """Point every ``.model`` in ``loss`` that is the model inside ``wrapped`` (DDP) at ``wrapped``."""
+    """Point every ``.model`` in ``loss`` that is the model inside ``wrapped`` (DDP) at ``wrapped``, and copy
+    onto ``wrapped`` the attributes CrossEncoder losses read from the model, where it lacks them."""
     model = getattr(wrapped, "module", None)
     if not isinstance(model, nn.Module):
         return
     for module in list(loss.modules()):
         if module.__dict__.get("_modules", {}).get("model") is model:
             module.model = wrapped
-    expose_model_attributes(wrapped, model)
-
-
-def expose_model_attributes(wrapped: nn.Module, model: nn.Module) -> None:
-    """Copy the attributes losses read from the model onto its wrapper, where the wrapper lacks them."""
     for name in CROSS_ENCODER_LOSS_ATTRIBUTES:
         if hasattr(model, name) and not hasattr(wrapped, name):
             setattr(wrapped, name, getattr(model, name))

@@ -1,8 +1,8 @@
 """A Trainer's DeepSpeed set-up, checked when the trainer is built rather than found wrong after training.
 
-st_ext's cached losses train under every ZeRO stage: each replayed mini-batch's backward leaves the
-parameters' reduction to the last one (:mod:`st_ext.training.gradient_sync`), through a parameter flag
-that DeepSpeed reads from 0.17 on. What cannot work is refused here, in one line that says what does:
+st_ext's cached losses train under every ZeRO stage, holding the reduction until the last mini-batch
+(:mod:`st_ext.training.gradient_sync`) through a parameter flag DeepSpeed reads from 0.17 on. What cannot work
+is refused here, in one line that says what does:
 
 * sentence-transformers' own cached losses return a loss without a ``grad_fn`` (DeepSpeed's
   ``engine.backward`` refuses it) and reduce once per mini-batch ("Gradient computed twice for this
@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 from st_ext._compat import DEEPSPEED_HOLDS_REDUCTION, deepspeed_version, is_gradient_caching
+from st_ext.losses import ST_EXT_LOSSES
 from st_ext.training.frozen_encoders import loss_modules
 
 
@@ -43,9 +44,7 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
     for module in cached:
         if not _from_st_ext(module):
             name = type(module).__name__
-            instead = (
-                f"use st_ext.losses.{name}" if name in _st_ext_loss_names() else "st_ext has no replacement for it"
-            )
+            instead = f"use st_ext.losses.{name}" if name in ST_EXT_LOSSES else "st_ext has no replacement for it"
             raise ValueError(
                 f"sentence-transformers' {name} cannot train under DeepSpeed (its loss has no grad_fn for "
                 f"engine.backward, and from ZeRO stage 2 each mini-batch reduces again); {instead}."
@@ -75,9 +74,3 @@ def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:
 def _from_st_ext(module: Any) -> bool:
     """st_ext's losses present upstream's ``__module__`` (for model cards) and keep their own in ``st_ext_module``."""
     return any(cls.__dict__.get("st_ext_module", cls.__module__).startswith("st_ext.") for cls in type(module).__mro__)
-
-
-def _st_ext_loss_names() -> list[str]:
-    from st_ext.losses import ST_EXT_LOSSES
-
-    return ST_EXT_LOSSES

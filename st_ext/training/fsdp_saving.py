@@ -1,15 +1,12 @@
 """Saving a model that FSDP2 shards, so that the saved files hold its whole weights.
 
-Under FSDP with ``state_dict_type: FULL_STATE_DICT`` the Hugging Face Trainer gathers the whole state
-dict onto the first rank and hands it to ``_save``. sentence-transformers' ``_save`` ignores it and saves
-the model object, whose parameters are each rank's shard (DTensors), and the save fails ("Attempted to
-access the data pointer on an invalid python storage"). The sharded model's modules are the only ones
-that know how to save themselves (each module writes its own files and config), so the gathered
-tensors are put in place of the shards while the model saves, then the shards are put back.
-
-FSDP2's module hooks are held back meanwhile: its state-dict pre-hook would put the shards back, and
-its forward hooks would gather parameters (a collective) when the model card encodes its usage
-example, which only the saving rank runs.
+Under FSDP with ``state_dict_type: FULL_STATE_DICT`` the Hugging Face Trainer gathers the whole state dict onto
+the first rank and hands it to ``_save``. sentence-transformers' ``_save`` ignores it and saves the model object,
+whose parameters are each rank's shard (DTensors), and fails ("Attempted to access the data pointer on an invalid
+python storage"). Only the model's modules know how to save themselves, so the gathered tensors stand in for the
+shards while the model saves. FSDP2's hooks are held back meanwhile: its state-dict pre-hook would put the shards
+back, and its forward hooks would gather parameters (a collective) when the model card encodes its usage example,
+which only the saving rank runs.
 """
 
 from __future__ import annotations
@@ -59,13 +56,6 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
             hooks.update((hook_id, hook) for hook_id, hook in present.items() if hook_id not in hooks)
 
 
-@contextmanager
-def whole_model_for_saving(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Inside the block, ``model`` is the whole model of ``state_dict`` and runs on the saving rank alone."""
-    with fsdp_hooks_held_back(model), full_weights_in_place(model, state_dict):
-        yield
-
-
 #: Wrappers' own names in a module path, which ``get_model_state_dict`` leaves out of its keys:
 #: activation checkpointing's wrapper (accelerate's ``fsdp_activation_checkpointing``) and ``torch.compile``'s.
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
@@ -80,10 +70,9 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     """Inside the block, ``model``'s parameters and buffers are the whole tensors of ``state_dict`` (as
     ``get_model_state_dict(..., full_state_dict=True)`` names them); afterwards, its own again.
 
-    Every parameter and persistent buffer must be in ``state_dict``: a partial one would save a model
-    mixing whole tensors with shards, so it raises ``ValueError`` naming what is missing. The buffers a
-    state dict leaves out (non-persistent ones, e.g. BERT's ``position_ids``) move to the whole tensors'
-    device meanwhile: the Trainer gathers onto the CPU, and the model card's example must run there.
+    A ``state_dict`` missing a parameter or persistent buffer raises ``ValueError`` (the save would mix whole
+    tensors with shards). Non-persistent buffers (BERT's ``position_ids``) move to the whole tensors' device
+    meanwhile: the Trainer gathers onto the CPU, and the model card's example must run there.
     """
     slots, unsaved = {}, []
     for module_name, module in model.named_modules():

@@ -1,24 +1,18 @@
-"""Trainers with the upstream signatures whose ``gradient_checkpointing=True`` works on any model.
+"""Trainers with the upstream signatures whose ``gradient_checkpointing=True`` works on any model, one per
+upstream archetype the installed release has.
 
-One per upstream archetype: ``SentenceTransformerTrainer`` and ``CrossEncoderTrainer`` on every
-supported release, ``SparseEncoderTrainer`` from sentence-transformers 5.0, ``MultiVectorEncoderTrainer``
-from 6.0.
-
-The Hugging Face Trainer switches checkpointing on by calling a method on the model: transformers 4
-calls ``gradient_checkpointing_enable``, which a sentence-transformers 4.x ``CrossEncoder`` lacks
-(``AttributeError``); transformers 5 prefers ``activation_checkpointing_enable``, which no
-sentence-transformers release defines (a warning that the old name "will no longer be called in v6",
-then the old name, whose transformers implementation warns again). st_ext's trainers lend st_ext's
-switches (:class:`st_ext.models.CheckpointingMixin`) to a plain upstream model for the duration of
-``train()`` and take them back afterwards, so the user's model object ends as it began, apart from
-the checkpointing state it asked for.
+The Hugging Face Trainer switches checkpointing on by calling a method on the model: transformers 4 calls
+``gradient_checkpointing_enable``, which a sentence-transformers 4.x ``CrossEncoder`` lacks (``AttributeError``);
+transformers 5 prefers ``activation_checkpointing_enable``, which no sentence-transformers release defines (two
+deprecation warnings). st_ext's trainers lend st_ext's switches (:class:`st_ext.models.CheckpointingMixin`) to a
+plain upstream model for the duration of ``train()``, so the model ends as it began, apart from the
+checkpointing state it asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
 from functools import partial
 
 import sentence_transformers
@@ -29,6 +23,7 @@ from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
+from st_ext.training import entries_set
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
 from st_ext.training.frozen_encoders import (
@@ -38,7 +33,7 @@ from st_ext.training.frozen_encoders import (
     require_resident,
     validate_frozen_encoder_mode,
 )
-from st_ext.training.fsdp_saving import whole_model_for_saving
+from st_ext.training.fsdp_saving import fsdp_hooks_held_back, full_weights_in_place
 from st_ext.training.gradient_sync import sharded_by_fsdp2
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
@@ -50,30 +45,17 @@ _LENT_METHODS = (
 )
 
 
-@contextlib.contextmanager
-def lend_checkpointing_methods(model: nn.Module | None) -> Iterator[None]:
+def lend_checkpointing_methods(model: nn.Module | None) -> contextlib.AbstractContextManager[None]:
     """Give ``model`` st_ext's checkpointing methods while the block runs, unless it already has them."""
     if model is None or isinstance(model, CheckpointingMixin):
-        yield
-        return
-    missing = object()
-    previous = {name: model.__dict__.get(name, missing) for name in _LENT_METHODS}
-    for name in _LENT_METHODS:
-        model.__dict__[name] = types.MethodType(getattr(CheckpointingMixin, name), model)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is missing:
-                model.__dict__.pop(name, None)
-            else:
-                model.__dict__[name] = value
+        return contextlib.nullcontext()
+    lent = {name: types.MethodType(getattr(CheckpointingMixin, name), model) for name in _LENT_METHODS}
+    return entries_set(vars(model), lent)
 
 
 class CheckpointingTrainerMixin:
-    """Runs ``train()`` with checkpointing switches available on whatever model the trainer holds,
-    with the DDP work-arounds of :mod:`st_ext.training.ddp`, and refuses at construction a DeepSpeed
-    set-up its losses cannot train or save under (:mod:`st_ext.training.deepspeed`)."""
+    """Checkpointing switches on whatever model the trainer holds, the DDP work-arounds of
+    :mod:`st_ext.training.ddp`, and the DeepSpeed checks of :mod:`st_ext.training.deepspeed`."""
 
     def __init__(self, *args, **kwargs):
         settings = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -92,13 +74,13 @@ class CheckpointingTrainerMixin:
         return loss
 
     def _save(self, output_dir=None, state_dict=None):
-        """Upstream's ``_save``; a model sharded by FSDP2 saves the whole weights the Trainer gathered
-        (:mod:`st_ext.training.fsdp_saving`), from the first rank only, where they were gathered."""
+        """A model sharded by FSDP2 saves the whole weights the Trainer gathered, from the rank that gathered them
+        (:mod:`st_ext.training.fsdp_saving`)."""
         if state_dict is None or not sharded_by_fsdp2(self.model):
             return super()._save(output_dir, state_dict)
         if not self.args.should_save:
             return None
-        with whole_model_for_saving(self.model, state_dict):
+        with fsdp_hooks_held_back(self.model), full_weights_in_place(self.model, state_dict):
             return super()._save(output_dir, state_dict)
 
 
@@ -179,8 +161,7 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
 
     def log(self, logs, *args, **kwargs):
         """Upstream's ``log``; a size ``mini_batch_size="auto"`` chose since the last log joins the logged
-        values (console, ``trainer_state.json``, the reporting integrations), where the other numbers of
-        the run are: once per choice, not at every step."""
+        values, once per choice."""
         logged = self.__dict__.setdefault("_logged_auto_choices", {})
         for name, loss in named_losses(self.loss):
             auto = auto_mini_batch_of(loss)
@@ -202,11 +183,8 @@ class CrossEncoderTrainer(CheckpointingTrainerMixin, sentence_transformers.Cross
 
 
 class ResidentFrozenEncodersMixin:
-    """``frozen_encoders=`` for trainers whose upstream losses hold no frozen encoder: ``"resident"`` only.
-
-    Accepted so that one training script can pass the option to any st_ext trainer; any other mode
-    raises (see :func:`st_ext.training.frozen_encoders.require_resident`).
-    """
+    """``frozen_encoders=`` for trainers whose upstream losses hold no frozen encoder: ``"resident"`` only,
+    accepted so that one training script can pass the option to any st_ext trainer."""
 
     def __init__(self, *args, frozen_encoders: str = "resident", **kwargs):
         require_resident(frozen_encoders, type(self).__name__)
@@ -220,8 +198,7 @@ if _compat.HAS_SPARSE_ENCODER:
     class SparseEncoderTrainer(
         ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.SparseEncoderTrainer
     ):
-        """Upstream ``SparseEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
-        transformers' current method names."""
+        """Upstream ``SparseEncoderTrainer``; ``gradient_checkpointing=True`` works on every model."""
 
 
 if _compat.HAS_MULTI_VECTOR_ENCODER:
@@ -229,8 +206,7 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
     class MultiVectorEncoderTrainer(
         ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.MultiVectorEncoderTrainer
     ):
-        """Upstream ``MultiVectorEncoderTrainer``; ``gradient_checkpointing=True`` works on every model, by
-        transformers' current method names."""
+        """Upstream ``MultiVectorEncoderTrainer``; ``gradient_checkpointing=True`` works on every model."""
 
 
 def __getattr__(name: str):
