@@ -1,16 +1,9 @@
 """Upstream's cached ranking losses on st_ext's GradCache engine, with ``mini_batch_size="auto"``.
 
-``CachedMultipleNegativesRankingLoss`` and ``CachedMultipleNegativesSymmetricRankingLoss`` are
-upstream's classes, subclassed: the constructor takes the installed release's arguments in its
-order (plus the keyword-only ``memory_budget_mb``), the loss over embeddings is upstream's own
-``calculate_loss`` (every option of the installed release: similarity, scale, directions,
-hardness, gathering across devices), and the model card names upstream's class. Only the forward
-pass is st_ext's (:func:`~st_ext.losses.gradcache.gradcache_forward`): columns share forward passes,
-each mini-batch is as wide as its own longest row, nothing waits on the device between mini-batches,
-one pass runs when the whole batch fits, and ``mini_batch_size`` may be ``"auto"``.
-
-A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...: see
-:mod:`st_ext.losses.overrides`) runs upstream's forward instead, which calls its override.
+The classes subclass upstream's: its constructor (the installed release's arguments, in its order,
+plus the keyword-only ``memory_budget_mb``), its ``calculate_loss`` (every option of the installed
+release) and its model card; only the forward pass is st_ext's. A subclass that overrides a step of
+upstream's engine runs upstream's forward instead (:mod:`st_ext.losses.overrides`).
 """
 
 from __future__ import annotations
@@ -43,11 +36,8 @@ _PLACEHOLDER_SIZE = 32
 
 
 class CachedRankingMixin:
-    """What both classes add to their upstream base: the auto mode and st_ext's forward pass.
-
-    ``st_ext_upstream_class`` is the upstream class the class derives from: a subclass that overrides
-    one of its engine's hooks runs its forward, the one that calls them.
-    """
+    """What both classes add to their upstream base (``st_ext_upstream_class``): the auto mode and
+    st_ext's forward pass."""
 
     st_ext_upstream_class: type
 
@@ -80,8 +70,8 @@ class CachedRankingMixin:
 
 
 def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
-    """An upstream cached ranking loss described: ``CachedMultipleNegatives(Symmetric)RankingLoss`` and,
-    on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
+    """An upstream cached ranking loss described (on 5.7+, every loss on the shared GradCache base too,
+    e.g. ``MegaBatchMarginLoss``).
 
     Its loss over embeddings is the class's ``calculate_loss``, not the instance's, so an instance that
     upstream's ``MatryoshkaLoss`` already decorated is not truncated a second time; with ``as_decorated``,

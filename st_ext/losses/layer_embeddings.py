@@ -1,15 +1,9 @@
 """The pooled embedding of several transformer layers from one forward pass: an encoder for GradCache.
 
-A layer-wise loss (:mod:`st_ext.losses.adaptive_layer`) trains the model's output as if it stopped
-after an earlier layer: that layer's hidden states go through the modules after the transformer
-(pooling, normalisation, dense layers) instead of the last layer's, as upstream's
-``AdaptiveLayerLoss`` does. :class:`LayerEmbeddings` gives, for one mini-batch and one forward pass,
-the sentence embedding followed by that embedding computed from each chosen layer, so GradCache can
-cache them all in step (1) and back-propagate all of their gradients through one graph in step (3).
-
-The hidden states come from the transformer with ``output_hidden_states`` switched on for the pass
-(and back to the model's setting after it); the modules after the transformer run on each layer
-directly, outside any DDP wrapper, so the wrapper still sees one forward pass per backward.
+As upstream's ``AdaptiveLayerLoss`` does, an earlier layer's hidden states go through the modules
+after the transformer (pooling, normalisation, dense layers) in place of the last layer's. Those
+modules run on each layer directly, outside any DDP wrapper, so the wrapper still sees one forward
+pass per backward.
 """
 
 from __future__ import annotations
@@ -22,13 +16,9 @@ from torch import Tensor, nn
 from st_ext._compat import unwrapped_model
 from st_ext.losses.features import Features, collator_inputs
 
-#: Chooses the hidden-state indices to embed, given how many hidden states the model has (layers + 1).
-ChooseLayers = Callable[[int], Sequence[int]]
-
 
 @contextmanager
 def hidden_states_on(transformer: nn.Module) -> Iterator[None]:
-    """The transformer also returns every layer's hidden states (``all_layer_embeddings``) in the block."""
     config = transformer.auto_model.config
     before = config.output_hidden_states
     config.output_hidden_states = True
@@ -39,14 +29,13 @@ def hidden_states_on(transformer: nn.Module) -> Iterator[None]:
 
 
 class LayerEmbeddings:
-    """:data:`~st_ext.losses.gradcache.Encoder` giving ``[sentence embedding, embedding from layer a, …]``.
+    """:data:`~st_ext.losses.cached_loss.Encoder` giving ``[sentence embedding, embedding from layer a, …]``.
 
-    The layers are chosen on the first call, when the number of hidden states is known, by
-    ``choose(num_hidden_states)``; every later call (the other mini-batches, step (3)'s replay) embeds
-    the same ones.
+    The hidden-state indices are chosen on the first call by ``choose(num_hidden_states)`` (layers + 1);
+    every later call (the other mini-batches, step (3)'s replay) embeds the same ones.
     """
 
-    def __init__(self, choose: ChooseLayers) -> None:
+    def __init__(self, choose: Callable[[int], Sequence[int]]) -> None:
         self.choose = choose
         self.layers: list[int] | None = None
         self.num_hidden_states: int | None = None
