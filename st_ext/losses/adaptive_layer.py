@@ -126,19 +126,15 @@ class LayerwiseGradCache:
 
 
 LAYERWISE_NOTE = (
-    "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
+    "over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
     "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
     "cached ranking loss, or st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
-    "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`).\n"
+    "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`)."
 )
 
 
-@named_like_upstream(_upstream.AdaptiveLayerLoss)
+@named_like_upstream(_upstream.AdaptiveLayerLoss, LAYERWISE_NOTE)
 class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
-    __doc__ = (
-        _upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or ""
-    ) + LAYERWISE_NOTE
-
     @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
     def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
         self._set_up(model, loss, upstream_arguments)

@@ -92,11 +92,10 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
     return described(loss, start)
 
 
-def _documented(upstream_class: type) -> str:
-    return (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "") + (
-        '\n\n    st_ext: runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the '
-        "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n"
-    )
+_NOTE = (
+    'runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the keyword-only '
+    "``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`)."
+)
 
 
 with warnings.catch_warnings():
@@ -104,20 +103,18 @@ with warnings.catch_warnings():
     # Constructing st_ext's class warns instead, as constructing upstream's does.
     warnings.simplefilter("ignore", DeprecationWarning)
 
-    @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss)
+    @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss, _NOTE)
     class CachedMultipleNegativesRankingLoss(CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss):
-        __doc__ = _documented(_upstream.CachedMultipleNegativesRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
         def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
             self._set_up(memory_budget_mb, upstream_arguments)
 
-    @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+    @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
     class CachedMultipleNegativesSymmetricRankingLoss(
         CachedRankingMixin, _upstream.CachedMultipleNegativesSymmetricRankingLoss
     ):
-        __doc__ = _documented(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)

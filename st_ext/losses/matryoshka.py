@@ -95,60 +95,16 @@ def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
     return with_loss(description, type(wrapper).__name__, over_dimensions)
 
 
-@named_like_upstream(_upstream.MatryoshkaLoss)
+@named_like_upstream(
+    _upstream.MatryoshkaLoss,
+    "over a cached loss (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``, "
+    "``CachedGISTEmbedLoss``, upstream's or st_ext's; on 5.7+ every loss on upstream's GradCache base such as "
+    "``MegaBatchMarginLoss``; ``CrossBatchMemoryLoss`` over a cached ranking loss, whose queue is truncated with "
+    "the batch), GradCache runs in this wrapper: peak memory does not grow with the number of dimensions, the "
+    "wrapped instance is never modified, and ``n_dims_per_step`` is honoured (4.x's upstream ignores it for "
+    "cached losses). Every other loss runs through upstream's implementation.",
+)
 class MatryoshkaLoss(_upstream.MatryoshkaLoss):
-    """Train a loss at several embedding sizes at once, so that truncated embeddings still work.
-
-    Upstream's ``MatryoshkaLoss``, with the same arguments, checks, warnings, values and model
-    card, except that a cached loss runs in mini-batch memory and is never modified. The wrapped
-    loss is computed on the embeddings truncated to each of ``matryoshka_dims`` (and
-    re-normalised), and the weighted sum is returned.
-
-    * Cached losses (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``,
-      ``CachedGISTEmbedLoss``, upstream's or st_ext's, and on 5.7+ every loss built on upstream's
-      GradCache base such as ``MegaBatchMarginLoss``; ``CrossBatchMemoryLoss`` over a cached ranking
-      loss, whose queue is truncated with the batch): GradCache runs here. Peak memory does not grow
-      with the number of dimensions; the wrapped instance can be wrapped again or used bare;
-      ``n_dims_per_step`` is honoured (4.x's upstream ignores it for cached losses).
-    * Every other loss: upstream's implementation, unchanged.
-
-    Args:
-        model: the SentenceTransformer being trained.
-        loss: the loss to compute at every dimension, e.g. ``MultipleNegativesRankingLoss``,
-            ``CachedMultipleNegativesRankingLoss``, ``CoSENTLoss``, ``GISTEmbedLoss``.
-        matryoshka_dims: the embedding sizes to train, e.g. ``[768, 512, 256, 128, 64]``. Include
-            the model's full size (upstream 5.x+ logs a warning otherwise).
-        matryoshka_weights: one weight per dimension; None weighs every dimension 1.
-        n_dims_per_step: how many randomly drawn dimensions to train per step; -1 (or any value
-            that is not between 0 and the number of dimensions) trains all of them.
-
-    References:
-        - Matryoshka Representation Learning: https://huggingface.co/papers/2205.13147
-        - GradCache, for the cached losses: https://huggingface.co/papers/2101.06983
-
-    Inputs:
-        +---------------------------------+---------------------------------+
-        | Texts                           | Labels                          |
-        +=================================+=================================+
-        | whatever the wrapped loss takes | whatever the wrapped loss takes |
-        +---------------------------------+---------------------------------+
-
-    Example:
-        ::
-
-            from datasets import Dataset
-            from st_ext import SentenceTransformer, SentenceTransformerTrainer, losses
-
-            model = SentenceTransformer("sentence-transformers/all-MiniLM-L6-v2")
-            train_dataset = Dataset.from_dict({
-                "anchor": ["It's nice weather outside today.", "He drove to work."],
-                "positive": ["It's so sunny.", "He took the car to the office."],
-            })
-            inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=16)
-            loss = losses.MatryoshkaLoss(model, inner, [384, 256, 128, 64])
-            SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
-    """
-
     def __init__(
         self,
         model: nn.Module,
