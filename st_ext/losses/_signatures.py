@@ -143,20 +143,6 @@ def named_like_upstream(upstream_class: type, note: str | None = None) -> Callab
     return decorate
 
 
-def card_value(value: Any) -> Any:
-    """Plain values and models as they are (the card formats models itself), anything else (a
-    precomputed table) by its ``repr`` summary."""
-    if isinstance(value, (bool, int, float, str, type(None), nn.Module)):
-        return value
-    return repr(value)
-
-
-def is_default(value: Any, default: Any) -> bool:
-    return value is default or (
-        default is not inspect.Parameter.empty and type(value) is type(default) and value == default
-    )
-
-
 def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
     """``get_config_dict()`` as upstream's lists it (every constructor argument but the model and the
     progress bar, in order), then the constructor arguments upstream does not take (st_ext's own, and
@@ -173,7 +159,9 @@ def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
             or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
         ):
             continue
-        value = getattr(loss, name)
-        if not is_default(value, parameter.default):
-            config[name] = card_value(value)
+        value, default = getattr(loss, name), parameter.default
+        if value is default or (default is not parameter.empty and type(value) is type(default) and value == default):
+            continue
+        # Models as they are (the card formats them itself), anything but a plain value (a table) by its repr.
+        config[name] = value if isinstance(value, (bool, int, float, str, type(None), nn.Module)) else repr(value)
     return config

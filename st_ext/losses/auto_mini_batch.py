@@ -163,18 +163,7 @@ class _Series:
     """Probes of doubling mini-batch sizes on the batch's longest rows: peak bytes (estimates of the
     rest of the step included) and seconds of each, with or without gradient checkpointing."""
 
-    def __init__(
-        self,
-        model,
-        sentence_features,
-        layouts,
-        rows,
-        budget,
-        device,
-        *,
-        checkpointed: bool = False,
-        update_bytes: int = 0,
-    ):
+    def __init__(self, model, sentence_features, layouts, rows, budget, device, *, checkpointed=False, update_bytes=0):
         self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
         self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
         self.update_bytes = update_bytes
@@ -198,9 +187,8 @@ class _Series:
                 return fitting
             rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
             passes = 1 if size >= self.rows else 2
-            switch = checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext()
             began = time.perf_counter()
-            with switch:
+            with checkpointed(self.model, self.checkpointed):
                 graph_peak, dim, self.meter = _probe_peak(
                     self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, passes
                 )
@@ -223,8 +211,14 @@ class _Series:
         return fitting
 
     def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
-        """A step's peak: the larger of the backward (the graph and the rest of the loss) and the update."""
-        return max(graph_peak + _step_overhead_bytes(self.rows, self.layouts, dim, size), self.update_bytes)
+        """A step's peak: the larger of the backward and the update. Beyond one mini-batch's graph, the
+        backward holds the batch's embeddings, their cached gradients and a transformed copy (Matryoshka,
+        normalisation), in fp32, and the loss's score block for ``size`` anchors against every candidate
+        with its softmax and gradient (estimated)."""
+        anchors = self.layouts[0].rows
+        candidates = self.rows - anchors if len(self.layouts) > 1 else self.rows
+        overhead = 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+        return max(graph_peak + overhead, self.update_bytes)
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
@@ -334,15 +328,6 @@ def _probe_peak(
     return peak.peak_bytes, dim, meter
 
 
-def _step_overhead_bytes(rows: int, layouts: Sequence[ColumnLayout], dim: int, size: int) -> int:
-    """What a step holds beyond one mini-batch's graph, estimated: the batch's embeddings, their cached
-    gradients and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block
-    for ``size`` anchors against every candidate with its softmax and gradient."""
-    anchors = layouts[0].rows
-    candidates = rows - anchors if len(layouts) > 1 else rows
-    return 4 * (3 * rows * dim + 3 * min(size, anchors) * max(candidates, 1))
-
-
 #: Optimizer states per parameter that a first step allocates, by optimizer class name (others: 2, as Adam).
 STATES_PER_PARAMETER = {"SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adam": 2, "AdamW": 2}
 
@@ -369,6 +354,11 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
         else:
             total += max(nbytes, default=0)
     return total
+
+
+def checkpointed(model: nn.Module, on: bool) -> contextlib.AbstractContextManager:
+    """Gradient checkpointing on in the block where the auto mode chose it (the model is left as it was)."""
+    return checkpointing.switched_on(model) if on else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ forward pass is handed to its backward as arguments, so a second forward pass ca
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -24,9 +24,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
-from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.losses.auto_mini_batch import AUTO, resolve_mini_batching
+from st_ext.losses.auto_mini_batch import AUTO, checkpointed, resolve_mini_batching
 from st_ext.losses.cached_loss import (
     CachedLoss,
     Encoder,
@@ -167,7 +166,7 @@ def replay_backward(
     grads: list[list[Tensor | None]],
     *,
     encoder: Encoder,
-    checkpointed: bool,
+    checkpointing: bool,
     show_progress_bar: bool,
 ) -> None:
     """Step (3). ``grad_output`` (the fp16 scaler's scale, the gradient-accumulation divisor) scales every
@@ -189,7 +188,7 @@ def replay_backward(
     last = len(plan.minibatches) - 1
     jobs = list(zip(plan.minibatches, rng_states, grads))
     last_trained = None
-    with torch.enable_grad(), _checkpointed(model, checkpointed):
+    with torch.enable_grad(), checkpointed(model, checkpointing):
         for index, job in enumerate(tqdm(jobs, desc="Backward mini-batches", disable=not show_progress_bar)):
             with gradient_sync(model, sync=index == last):
                 if replay(*job, grad_output):
@@ -222,10 +221,6 @@ def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor 
     return grads
 
 
-def _checkpointed(model: nn.Module, on: bool):
-    return checkpointing.switched_on(model) if on else nullcontext()
-
-
 def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
     """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3) (or, when one
     mini-batch holds the whole batch, the plain loss with its graph).
@@ -255,7 +250,7 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and plan.single_pass:
-        with _checkpointed(loss.model, batching.checkpointing):
+        with checkpointed(loss.model, batching.checkpointing):
             outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
         return finished(outputs, loss_over(outputs, with_backward=False))
     with torch.no_grad():
@@ -286,7 +281,7 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
         rng_states=rng_states,
         grads=_output_grads(outputs, plan),
         encoder=encoder,
-        checkpointed=batching.checkpointing,
+        checkpointing=batching.checkpointing,
         show_progress_bar=loss.show_progress_bar,
     )
     return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
