@@ -45,8 +45,7 @@ class LayerStep:
         self.wrapper = wrapper
         self.inner = inner
         self.final_fn: LossFn | None = None
-        #: The sampled layers' hidden-state indices, and their (weight, loss over embeddings), in the order drawn.
-        self.layers: list[int] = []
+        #: The sampled layers' (weight, loss over embeddings), in the order drawn.
         self.prior: list[tuple[float, LossFn]] = []
 
     def choose(self, num_hidden_states: int) -> list[int]:
@@ -57,12 +56,11 @@ class LayerStep:
         indices = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
-        self.layers = [index + first for index in indices]
         self.prior = [
             (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw(index + first))
             for index in indices
         ]
-        return self.layers
+        return [index + first for index in indices]
 
     def loss_from_layers(
         self, outputs: list[Reps], frozen: Reps | None, labels: Tensor | None, *, with_backward: bool

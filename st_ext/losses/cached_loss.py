@@ -14,8 +14,7 @@ labels, *, with_backward)``) is described by :func:`from_protocol`; the engine a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,35 +123,35 @@ def described(
     )
 
 
-def from_protocol(loss: Any) -> CachedLoss:
-    """A loss with the older protocol (module docstring), described."""
+def described_with(loss: Any, calculate: LossFn, frozen: FrozenFn | None = None) -> CachedLoss:
+    """``loss`` described with ``calculate(reps, frozen, labels, *, with_backward)`` as its loss over
+    embeddings, which holds no embeddings of its own for a wrapper's ``embedding_map`` to apply to.
+
+    ``calculate`` may score its anchors ``loss.mini_batch_size`` at a time (upstream's ``calculate_loss``,
+    the older protocol): where that reads ``"auto"``, it reads the size resolved for the batch while
+    ``calculate`` runs (the one place a loss's setting is written).
+    """
 
     def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
         def loss_fn(
             reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
-        ):
-            # The protocol's loss holds no embeddings of its own for a wrapper's map to apply to.
-            with reading_mini_batch_size(loss, mini_batch_size):
-                return loss.loss_from_embeddings(reps, frozen, labels, with_backward=with_backward)
+        ) -> Tensor:
+            if loss.mini_batch_size != AUTO:
+                return calculate(reps, frozen, labels, with_backward=with_backward)
+            loss.mini_batch_size = mini_batch_size
+            try:
+                return calculate(reps, frozen, labels, with_backward=with_backward)
+            finally:
+                loss.mini_batch_size = AUTO
 
         return LossStep(lambda layer: loss_fn)
 
-    return described(loss, start, loss.frozen_embeddings)
+    return described(loss, start, frozen)
 
 
-@contextmanager
-def reading_mini_batch_size(loss: Any, mini_batch_size: int) -> Iterator[None]:
-    """For a loss over embeddings that scores its anchors ``self.mini_batch_size`` at a time (upstream's
-    ``calculate_loss``, the older protocol): where that reads ``"auto"``, it reads the size resolved for
-    this batch during the block. The one place a loss's setting is written."""
-    if loss.mini_batch_size != AUTO:
-        yield
-        return
-    loss.mini_batch_size = mini_batch_size
-    try:
-        yield
-    finally:
-        loss.mini_batch_size = AUTO
+def from_protocol(loss: Any) -> CachedLoss:
+    """A loss with the older protocol (module docstring), described."""
+    return described_with(loss, loss.loss_from_embeddings, loss.frozen_embeddings)
 
 
 def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossStep]) -> CachedLoss:

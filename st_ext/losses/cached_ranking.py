@@ -18,15 +18,8 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    LossStep,
-    Reps,
-    described,
-    reading_mini_batch_size,
-    register_cached_loss,
-)
-from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
+from st_ext.losses.cached_loss import CachedLoss, Reps, described_with, register_cached_loss
+from st_ext.losses.gradcache import Features, gradcache_forward
 from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()
@@ -53,7 +46,6 @@ class CachedRankingMixin:
         upstream_class.__init__(self, **upstream_arguments)
         if auto:
             self.mini_batch_size = AUTO
-        validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
         self.auto_mini_batch = make_auto_mini_batch(
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
@@ -81,15 +73,11 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
     # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
     takes_labels = mixin is not None and isinstance(loss, mixin)
 
-    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        def loss_fn(reps: Reps, frozen, labels, *, with_backward: bool, embedding_map=None) -> Tensor:
-            calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
-            with reading_mini_batch_size(loss, mini_batch_size):
-                return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+    def calculate(reps: Reps, frozen, labels, *, with_backward: bool) -> Tensor:
+        calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
+        return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
 
-        return LossStep(lambda layer: loss_fn)
-
-    return described(loss, start)
+    return described_with(loss, calculate)
 
 
 _NOTE = (

@@ -25,7 +25,11 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.losses.auto_mini_batch import AUTO, checkpointed, resolve_mini_batching
+from st_ext.losses.auto_mini_batch import (  # noqa: F401  (validate_mini_batching: re-exported for the losses)
+    checkpointed,
+    resolve_mini_batching,
+    validate_mini_batching,
+)
 from st_ext.losses.cached_loss import (
     CachedLoss,
     Encoder,
@@ -45,7 +49,7 @@ from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_
     minibatch_features,
     row_keys,
 )
-from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches, split_rows
+from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches
 from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 
 
@@ -114,15 +118,6 @@ def column_layouts(model: nn.Module, sentence_features: Sequence[Features]) -> l
         raise UnsliceableFeatureError(f"{error} The features come from {name}.") from None
 
 
-def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
-    if mini_batch_size != AUTO and (
-        isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
-    ):
-        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
-    if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
-        raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
-
-
 def embed_minibatches(
     model: nn.Module,
     sentence_features: Sequence[Features],
@@ -142,19 +137,13 @@ def embed_minibatches(
         for index, output in enumerate(encoder(model, features)):
             if index == len(outputs):
                 outputs.append([[] for _ in plan.layouts])
-            if not output.requires_grad:
-                output = _compact(output)
-            for segment, rows in zip(minibatch, split_rows(output, minibatch)):
+            if not output.requires_grad and output.untyped_storage().nbytes() > output.numel() * output.element_size():
+                # In storage of its own: a pooled view (CLS pooling) would keep the whole mini-batch's token
+                # embeddings alive until the step ends.
+                output = output.clone()
+            for segment, rows in zip(minibatch, output.split([segment.end - segment.begin for segment in minibatch])):
                 outputs[index][segment.column].append(rows)
     return outputs, rng_states
-
-
-def _compact(rep: Tensor) -> Tensor:
-    """``rep`` in storage of its own: a pooled view (CLS pooling) would otherwise keep the whole
-    mini-batch's token embeddings alive until the step ends."""
-    if rep.untyped_storage().nbytes() > rep.numel() * rep.element_size():
-        return rep.clone()
-    return rep
 
 
 def replay_backward(

@@ -58,7 +58,14 @@ class LayerEmbeddings:
                 f"{type(transformer.auto_model).__name__} returned no hidden states with output_hidden_states=True; "
                 "a layer-wise loss needs them."
             )
-        self._check_layers(len(hidden_states))
+        if self.layers is None:
+            self.num_hidden_states = len(hidden_states)
+            self.layers = list(self.choose(len(hidden_states)))
+        elif len(hidden_states) != self.num_hidden_states:
+            raise RuntimeError(
+                f"The model returned {len(hidden_states)} hidden states after {self.num_hidden_states} earlier in "
+                "the same step; a layer-wise loss needs the same layers in every forward pass."
+            )
         outputs = [final]
         for layer in self.layers:
             copies = {key: value.clone() for key, value in inputs.items()}
@@ -67,13 +74,3 @@ class LayerEmbeddings:
                 layer_features = module(layer_features)
             outputs.append(layer_features["sentence_embedding"])
         return outputs
-
-    def _check_layers(self, num_hidden_states: int) -> None:
-        if self.layers is None:
-            self.num_hidden_states = num_hidden_states
-            self.layers = list(self.choose(num_hidden_states))
-        elif num_hidden_states != self.num_hidden_states:
-            raise RuntimeError(
-                f"The model returned {num_hidden_states} hidden states after {self.num_hidden_states} earlier in "
-                "the same step; a layer-wise loss needs the same layers in every forward pass."
-            )

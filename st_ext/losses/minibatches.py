@@ -29,10 +29,6 @@ class Segment:
     begin: int
     end: int
 
-    @property
-    def rows(self) -> int:
-        return self.end - self.begin
-
 
 #: The segments one forward pass embeds, in order; its output rows follow them.
 MiniBatch = tuple[Segment, ...]
@@ -164,8 +160,3 @@ def _equal(first: Any, other: Any) -> bool:
         return bool(first == other)
     except (RuntimeError, ValueError, TypeError):
         return False
-
-
-def split_rows(output: Tensor, minibatch: MiniBatch) -> list[Tensor]:
-    """One mini-batch's output rows, one tensor (a view) per segment."""
-    return list(output.split([segment.rows for segment in minibatch]))
