@@ -164,12 +164,12 @@ def replay_backward(
     a zero gradient inside the reducing context, so the step still reduces, once, on every rank.
     """
 
-    def replay(minibatch: MiniBatch, state: RngState, grads: list[Tensor | None], scale: Tensor) -> bool:
+    def replay(minibatch: MiniBatch, state: RngState, cached: list[Tensor | None], scale: Tensor) -> bool:
         """False when none of the mini-batch's outputs needs a gradient."""
         features = minibatch_features(sentence_features, plan.layouts, minibatch)
         with state.replay():
             outputs = encoder(model, features)
-        pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
+        pairs = [(out, grad) for out, grad in zip(outputs, cached) if grad is not None and out.requires_grad]
         if pairs:
             sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
         return bool(pairs)

@@ -24,13 +24,7 @@ from torch import Tensor, nn
 
 from st_ext._compat import loss_model, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, named_like_upstream
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    LossStep,
-    as_cached_loss,
-    register_cached_loss,
-    with_loss,
-)
+from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 
 _upstream = st_losses()
@@ -117,15 +111,12 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         _check_dims(matryoshka_dims)
         _refuse_nested_cached(loss)
         self._on_st_ext_engine = as_cached_loss(loss) is not None
-        if not self._on_st_ext_engine:
-            # Upstream's wrapper, whole: its own forward reads the uses_gradient_cache it sets (6.x).
-            super().__init__(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
-            self.uses_gradient_cache = getattr(self, "uses_gradient_cache", False)
-        else:
-            # Upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
-            super().__init__(model, PLACEHOLDER_LOSS(), matryoshka_dims, matryoshka_weights, n_dims_per_step)
-            self.loss = loss
-            self.uses_gradient_cache = True
+        # Over a cached loss, upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
+        inner = PLACEHOLDER_LOSS() if self._on_st_ext_engine else loss
+        super().__init__(model, inner, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        self.loss = loss
+        # Upstream's own forward reads the uses_gradient_cache it sets (6.x).
+        self.uses_gradient_cache = self._on_st_ext_engine or getattr(self, "uses_gradient_cache", False)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         if not self._on_st_ext_engine:
