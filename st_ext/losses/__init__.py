@@ -1,30 +1,17 @@
 """sentence-transformers' losses, with st_ext's memory-bounded versions in place of their upstream namesakes.
 
 ``from st_ext import losses`` works as ``from sentence_transformers import losses``: every upstream
-loss name is here. These differ from upstream:
+loss name is here. st_ext replaces the cached ranking losses (st_ext's GradCache engine, with
+``mini_batch_size="auto"``), :class:`MatryoshkaLoss`, :class:`AdaptiveLayerLoss` and
+:class:`Matryoshka2dLoss` (over cached losses, in mini-batch memory), :class:`GISTEmbedLoss` and
+:class:`CachedGISTEmbedLoss` (a guide offloaded or precomputed as :class:`GuideEmbeddings`),
+:class:`DistillationLoss` (a teacher live, offloaded or precomputed as :class:`TeacherLabels`) and the
+batch triplet losses (without B×B×B tensors, with an optional memory of references); it adds
+:class:`CrossBatchMemoryLoss` and :func:`build_loss` / :func:`known_losses` (short names for the command line).
 
-* :class:`CachedMultipleNegativesRankingLoss`, :class:`CachedMultipleNegativesSymmetricRankingLoss`:
-  upstream's losses on st_ext's GradCache engine (fewer, merged forward passes; one pass when the
-  batch fits), with ``mini_batch_size="auto"``.
-* :class:`MatryoshkaLoss`: over cached losses, backward one mini-batch at a time, memory independent
-  of the number of dimensions, and the wrapped loss is never modified; any other loss runs through
-  upstream's implementation.
-* :class:`GISTEmbedLoss`, :class:`CachedGISTEmbedLoss`: the guide can be offloaded, or replaced by
-  :class:`GuideEmbeddings` computed before training.
-* :class:`DistillationLoss`: labels of ``MSELoss``, ``MarginMSELoss`` or ``DistillKLDivLoss`` from a
-  teacher that is live, offloaded between uses, or precomputed (:class:`TeacherLabels`) and released.
-* :class:`AdaptiveLayerLoss`, :class:`Matryoshka2dLoss`: over cached losses, GradCache over layers
-  (every layer the step uses is cached; memory bounded by one mini-batch); any other loss runs
-  through upstream's implementation.
-* :class:`BatchAllTripletLoss`, :class:`BatchHardTripletLoss`, :class:`BatchSemiHardTripletLoss`: the
-  same values as upstream's without B×B×B tensors; they also accept a memory of reference embeddings.
-* :class:`CrossBatchMemoryLoss`: a FIFO queue of earlier steps' embeddings as extra negatives or references.
-* :func:`build_loss` / :func:`known_losses`: short names for the command line.
-
-Each class that replaces an upstream namesake takes upstream's positional arguments in the
-installed release's order (st_ext's own options are keyword-only), raises and warns as upstream
-does, and appears in the model card under upstream's name, documentation link and parameters
-(:mod:`st_ext.losses._signatures`).
+Each replacement takes upstream's positional arguments in the installed release's order (st_ext's own
+options are keyword-only), raises and warns as upstream does, and appears in the model card under
+upstream's name, documentation link and parameters (:mod:`st_ext.losses._signatures`).
 """
 
 from __future__ import annotations

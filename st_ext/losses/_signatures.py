@@ -1,25 +1,11 @@
-"""How st_ext's replacements of upstream losses keep upstream's calls, card and attributes.
+"""How st_ext's replacements of upstream losses keep upstream's calls, model card and attributes.
 
-A user swaps ``from sentence_transformers import losses`` for ``from st_ext import losses`` and
-changes nothing else, so for every class st_ext replaces:
-
-* every call that upstream accepts binds the same way here. Upstream changed the order of some
-  constructors between releases (``CachedGISTEmbedLoss`` gained ``mini_batch_num_tokens`` before
-  ``show_progress_bar`` in 5.x), so the order is read from the *installed* upstream class by
-  :func:`follows_upstream_signature`, and st_ext's own options become keyword-only after it;
-* the model card reads the same. sentence-transformers names a loss by its class's ``__module__``
-  and ``__name__``, links to its documentation only when the module starts with
-  ``sentence_transformers.``, lists ``get_config_dict()`` when the loss has one, and cites
-  ``loss.citation`` when there is one. :func:`named_like_upstream` gives the class upstream's
-  module, name and citation, and hides ``citation``/``get_config_dict`` where upstream has none.
-  :func:`card_config` lists upstream's parameters, then st_ext's own options only when the user
-  changed them.
-
-Nothing here branches on version numbers: every fact is read from the upstream class itself.
-
-The price of upstream's ``__module__``: ``repr(cls)`` shows upstream's path and ``inspect.getsource``
-finds upstream's source. ``cls.st_ext_module`` names the real module (pickling uses it), and the
-class docstrings say they are st_ext's.
+Every fact is read from the installed upstream class, never from a version number: the order of
+its constructor's arguments (``CachedGISTEmbedLoss`` gained ``mini_batch_num_tokens`` before
+``show_progress_bar`` in 5.x), and what the card reads: the class's ``__module__`` and ``__name__``
+(the documentation link only for a module under ``sentence_transformers.``), ``get_config_dict()``
+and ``citation`` where the class has them. The price of upstream's ``__module__``: ``repr(cls)`` and
+``inspect.getsource`` show upstream's; ``cls.st_ext_module`` names the real module (pickling uses it).
 """
 
 from __future__ import annotations
@@ -41,18 +27,13 @@ NOT_IN_CARD = ("self", "model", "show_progress_bar")
 CARD_ATTRIBUTES = ("citation", "get_config_dict")
 
 
-# ---------------------------------------------------------------------------------------------
-# Signatures
-
-
 def upstream_parameters(upstream_class: type) -> list[inspect.Parameter]:
     """The parameters of ``upstream_class.__init__`` after ``self``."""
     return list(inspect.signature(upstream_class.__init__).parameters.values())[1:]
 
 
 def upstream_default(upstream_class: type, name: str) -> Any:
-    """The default of upstream's constructor argument ``name`` (e.g. a distance function, whose
-    identity the installed release decides)."""
+    """The default of upstream's constructor argument ``name`` (e.g. a distance function)."""
     return inspect.signature(upstream_class.__init__).parameters[name].default
 
 
@@ -61,9 +42,8 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
     else keyword-only, in ``own``'s order.
 
     Where ``own`` takes ``**upstream_arguments``, upstream's parameters it does not declare are taken
-    as upstream declares them (the installed release's defaults too). Otherwise raises TypeError at
-    import when st_ext lacks one of upstream's parameters: a positional call would bind its later
-    arguments to the wrong names.
+    as upstream declares them. Otherwise a parameter of upstream's that ``own`` lacks raises TypeError
+    at import: a positional call would bind its later arguments to the wrong names.
     """
     own_parameters = {
         name: parameter for name, parameter in own.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD
@@ -91,8 +71,7 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
 
 
 def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Callable]:
-    """Decorate an ``__init__`` so that it binds arguments exactly as ``upstream_class`` does: the one
-    way st_ext's replacements take upstream's arguments.
+    """Decorate an ``__init__`` so that it binds arguments exactly as ``upstream_class`` does.
 
     The decorated function is called with every argument by name (defaults filled in), so it may
     declare its parameters in any order; with ``**upstream_arguments`` it receives there those of
@@ -115,15 +94,11 @@ def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Cal
     return decorate
 
 
-# ---------------------------------------------------------------------------------------------
-# Model cards
-
-
 class _Absent:
     """A class attribute that is not there: ``hasattr(loss, name)`` is False, as on the upstream
     class, even though a base class of st_ext's defines it."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
@@ -131,7 +106,6 @@ class _Absent:
 
 
 def _rebuild(module_name: str, qualified_name: str) -> Any:
-    """Unpickle an instance of an st_ext class that is named like upstream's (see below)."""
     cls = importlib.import_module(module_name)
     for part in qualified_name.split("."):
         cls = getattr(cls, part)
@@ -139,33 +113,29 @@ def _rebuild(module_name: str, qualified_name: str) -> Any:
 
 
 def _reduce_ex(self: Any, protocol: int) -> tuple:
-    """Pickle by st_ext's own module: ``__module__`` names upstream's, where pickle would find
-    upstream's class instead of this one."""
+    """Pickle by st_ext's own module: by ``__module__``, pickle would find upstream's class."""
     cls = type(self)
     module = cls.__dict__.get("st_ext_module", cls.__module__)  # a user's subclass lives in its own module
     _, _, *state = object.__reduce_ex__(self, max(protocol, 2))
     return (_rebuild, (module, cls.__qualname__), *state)
 
 
-def named_like_upstream(upstream_class: type) -> Callable[[type], type]:
-    """Class decorator: the model card names, links and cites the class as it does ``upstream_class``.
-
-    Sets ``__module__`` to upstream's (the card derives the name and the documentation link from
-    it), keeps the real module in ``st_ext_module`` for pickling, uses upstream's ``citation``
-    property, and hides ``citation``/``get_config_dict`` where upstream's class has none.
-    """
+def named_like_upstream(upstream_class: type, note: str | None = None) -> Callable[[type], type]:
+    """Class decorator: the model card names, links and cites the class as it does ``upstream_class``,
+    and ``citation``/``get_config_dict`` are hidden where upstream's class has none. With ``note``, the
+    class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext changes."""
 
     def decorate(cls: type) -> type:
         if cls.__name__ != upstream_class.__name__:
             raise TypeError(f"{cls.__name__} cannot be named like {upstream_class.__name__}.")
+        if note is not None:
+            cls.__doc__ = f"{upstream_class.__doc__ or upstream_class.__init__.__doc__ or ''}\n\n    st_ext: {note}\n"
         cls.st_ext_module = cls.__module__
         cls.__module__ = upstream_class.__module__
         cls.__reduce_ex__ = _reduce_ex
         for name in CARD_ATTRIBUTES:
             if not hasattr(upstream_class, name):
-                absent = _Absent()
-                absent.__set_name__(cls, name)
-                setattr(cls, name, absent)
+                setattr(cls, name, _Absent(name))
         if hasattr(upstream_class, "citation"):
             cls.citation = inspect.getattr_static(upstream_class, "citation")
         return cls
@@ -173,28 +143,10 @@ def named_like_upstream(upstream_class: type) -> Callable[[type], type]:
     return decorate
 
 
-def card_value(value: Any) -> Any:
-    """How an option shows in the card: plain values and models as they are (the card formats
-    models itself), anything else, such as a precomputed table, by its ``repr`` summary."""
-    if isinstance(value, (bool, int, float, str, type(None), nn.Module)):
-        return value
-    return repr(value)
-
-
-def is_default(value: Any, default: Any) -> bool:
-    return value is default or (
-        default is not inspect.Parameter.empty and type(value) is type(default) and value == default
-    )
-
-
 def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
-    """``get_config_dict()`` as upstream's card lists it, then st_ext's own options that differ
-    from their defaults.
-
-    Upstream's config lists every constructor argument but the model and the progress bar, in
-    constructor order, under the argument's name; the own options are the constructor arguments
-    upstream does not take (including newer upstream options on an older upstream).
-    """
+    """``get_config_dict()`` as upstream's lists it (every constructor argument but the model and the
+    progress bar, in order), then the constructor arguments upstream does not take (st_ext's own, and
+    newer upstream options on an older upstream) where they differ from their defaults."""
     config = {
         parameter.name: getattr(loss, parameter.name)
         for parameter in upstream_parameters(upstream_class)
@@ -207,7 +159,9 @@ def card_config(loss: Any, upstream_class: type) -> dict[str, Any]:
             or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
         ):
             continue
-        value = getattr(loss, name)
-        if not is_default(value, parameter.default):
-            config[name] = card_value(value)
+        value, default = getattr(loss, name), parameter.default
+        if value is default or (default is not parameter.empty and type(value) is type(default) and value == default):
+            continue
+        # Models as they are (the card formats them itself), anything but a plain value (a table) by its repr.
+        config[name] = value if isinstance(value, (bool, int, float, str, type(None), nn.Module)) else repr(value)
     return config

@@ -1,29 +1,14 @@
 """Layer-wise GradCache: ``AdaptiveLayerLoss`` (and ``Matryoshka2dLoss``, :mod:`.matryoshka_2d`) over cached losses.
 
-Upstream's layer wrappers run the wrapped loss once per sampled layer on the hidden states of one
-forward pass with a graph, so their memory grows with the batch; over a cached loss they warn and
-the memory bound is lost (the loss's backward hook re-embeds after the wrapper is gone). Here, over
-a cached loss, the wrapper runs GradCache itself (:mod:`st_ext.losses.gradcache`):
-
-    (1) embed each mini-batch once without a graph, keeping the pooled embedding of every layer the
-        step uses (the sampled layers and the final one; :mod:`st_ext.losses.layer_embeddings`);
-    (2) compute the whole loss on those embeddings: the final layer's loss, each sampled layer's
-        loss (every Matryoshka dimension drawn for it), and the KL term between each sampled layer
-        and the final one, back-propagating each term to the embeddings as it goes;
-    (3) on ``loss.backward()``, re-embed one mini-batch at a time with a graph through the layers
-        it needs, under the RNG state of its first pass, and back-propagate the summed gradients of
-        all its layers at once.
-
-Peak memory is one mini-batch's graph plus embedding-sized buffers per layer used. Layers and
-dimensions are drawn from Python's ``random`` in upstream's order (the final layer's dimensions,
-then the layers, then each layer's dimensions), so a seeded run trains what upstream's would. Which
-hidden states upstream samples, how it weighs them and whether the KL teacher is detached depend on
-the installed release (:class:`st_ext._compat.AdaptiveLayerRules`) and are followed here.
-
-Over ``CrossBatchMemoryLoss`` (around a cached ranking loss) each layer ranks against its own queue
-of that layer's embeddings from earlier steps (:func:`~st_ext.losses.cross_batch_memory.with_queue`). Over a loss
-that does not cache, upstream's forward runs; ``Matryoshka2dLoss`` builds st_ext's ``MatryoshkaLoss``
-(with its argument checks), and a memory around a non-cached loss is refused.
+Upstream's layer wrappers need the hidden states of one forward pass with a graph, so over a cached
+loss they lose the memory bound. Here the wrapper runs GradCache itself: step (1) keeps the pooled
+embedding of every layer the step uses (:mod:`st_ext.losses.layer_embeddings`), step (2) computes the
+final layer's loss, each sampled layer's and the KL terms on them, and step (3) back-propagates all
+of a mini-batch's layers through one graph (docs/cached-losses.md). Layers and dimensions are drawn
+from Python's ``random`` in upstream's order (the final layer's dimensions, then the layers, then
+each layer's dimensions), and the release-dependent rules come from :class:`st_ext._compat.AdaptiveLayerRules`,
+so a seeded run trains what upstream's would. Over ``CrossBatchMemoryLoss`` each layer ranks against
+its own queue; a memory around a non-cached loss is refused.
 """
 
 from __future__ import annotations
@@ -46,9 +31,6 @@ from st_ext.losses.layer_embeddings import LayerEmbeddings
 
 _upstream = st_losses()
 
-# ---------------------------------------------------------------------------------------------
-# One step: the layers drawn, and the loss over their embeddings
-
 
 def all_rows(reps: Reps) -> Tensor:
     """Every column's rows, one column after the other (the order upstream collects them in)."""
@@ -56,19 +38,14 @@ def all_rows(reps: Reps) -> Tensor:
 
 
 class LayerStep:
-    """What one forward pass of a layer-wise loss draws, and its loss over the cached embeddings.
-
-    ``choose`` is called by :class:`~st_ext.losses.layer_embeddings.LayerEmbeddings` on the first
-    forward pass; ``loss_from_layers`` is the loss over embeddings its ``LossStep`` draws, and receives
-    ``[final layer's reps, first sampled layer's reps, …]``.
-    """
+    """What one forward pass of a layer-wise loss draws (``choose``, on its first mini-batch), and its
+    loss over ``[final layer's reps, first sampled layer's reps, …]``."""
 
     def __init__(self, wrapper: nn.Module, inner: LossStep) -> None:
         self.wrapper = wrapper
         self.inner = inner
         self.final_fn: LossFn | None = None
-        #: The sampled layers' hidden-state indices, and their (weight, loss over embeddings), in the order drawn.
-        self.layers: list[int] = []
+        #: The sampled layers' (weight, loss over embeddings), in the order drawn.
         self.prior: list[tuple[float, LossFn]] = []
 
     def choose(self, num_hidden_states: int) -> list[int]:
@@ -79,12 +56,11 @@ class LayerStep:
         indices = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
-        self.layers = [index + first for index in indices]
         self.prior = [
             (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw(index + first))
             for index in indices
         ]
-        return self.layers
+        return [index + first for index in indices]
 
     def loss_from_layers(
         self, outputs: list[Reps], frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
@@ -120,13 +96,8 @@ class LayerStep:
         return total
 
 
-# ---------------------------------------------------------------------------------------------
-# The losses
-
-
 def over_layers(description: CachedLoss, wrapper: nn.Module) -> CachedLoss:
-    """``description`` trained at the final layer and at the layers ``wrapper`` draws, each call of its
-    loss over embeddings drawn for its layer, with the KL term between them."""
+    """``description`` trained at the final layer and at the layers ``wrapper`` draws."""
 
     def layered(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
         layers = LayerStep(wrapper, step)
@@ -153,27 +124,21 @@ class LayerwiseGradCache:
 
 
 LAYERWISE_NOTE = (
-    "\n\n    st_ext: over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
+    "over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
     "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
     "cached ranking loss, or st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
-    "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`).\n"
+    "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`)."
 )
 
 
-@named_like_upstream(_upstream.AdaptiveLayerLoss)
+@named_like_upstream(_upstream.AdaptiveLayerLoss, LAYERWISE_NOTE)
 class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
-    __doc__ = (
-        _upstream.AdaptiveLayerLoss.__doc__ or _upstream.AdaptiveLayerLoss.__init__.__doc__ or ""
-    ) + LAYERWISE_NOTE
-
     @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
     def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
         self._set_up(model, loss, upstream_arguments)
 
 
 def _refuse_wrapping(loss: nn.Module) -> None:
-    """A layer-wise loss over a cached loss computes its gradients in its own backward pass: no wrapper can
-    truncate or queue what it produces."""
     if loss.uses_gradient_cache:
         raise TypeError(
             f"A {type(loss).__name__} over a cached loss cannot be wrapped: its gradients are computed in its own "

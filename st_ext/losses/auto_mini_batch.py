@@ -1,28 +1,13 @@
 """``mini_batch_size="auto"``: the largest mini-batch whose training step fits a memory budget, measured.
 
-A cached loss's step peaks at one mini-batch's forward and backward with a graph, plus the
-embeddings of the whole batch and the loss's score blocks. The auto mode measures the first part
-on the batch in hand, on its *longest* rows (the mini-batch that costs most), for candidate sizes
-1, 2, 4, ... up to every row of the batch, and keeps the largest whose peak plus the second part
-fits the budget. When every row fits, the step runs as one plain forward and backward
-(:attr:`~st_ext.losses.minibatches.MiniBatchPlan.single_pass`), at the speed of the uncached loss.
-
-* The budget counts a training step's peak above the level at its start. When st_ext's trainer
-  hands over its optimizer (:attr:`AutoMiniBatch.optimizer`), the step includes the optimizer's
-  update: the gradients, the states its first step allocates (Adam's two moments) and the update's
-  temporaries, estimated by :func:`optimizer_step_bytes`; a step peaks at the larger of the backward
-  and the update. Without it (the loss called from one's own loop) the budget covers the loss's
-  forward and backward. On CUDA the default budget is a fraction of what is free (less the gradients
-  and Adam states still to come when the optimizer is unknown); on the CPU there is none unless one
-  is given, and the whole batch is one mini-batch.
-* The measurement is repeated when a batch has more rows or a longer row than any measured before.
-* An out-of-memory error while measuring counts as over budget: it is caught and the cache emptied.
-* Measuring leaves no trace: gradients already accumulated in ``.grad`` are set aside and put back.
-* Gradient checkpointing is a lever: when the model can checkpoint (and does not already), the
-  sizes above the plain choice are measured again with checkpointing on, and a larger checkpointed
-  mini-batch is taken when the measured times say the step is faster. Only the graph passes then
-  checkpoint, and the model is switched back after each.
-* The choice and its measurements are logged once per measurement and kept in ``choice``.
+A cached step peaks at one mini-batch's forward and backward with a graph, plus the batch's
+embeddings and the loss's score blocks (estimated), or at the optimizer's update when st_ext's
+trainer hands the optimizer over (:attr:`AutoMiniBatch.optimizer`). The graph part is measured on
+the batch in hand, on its *longest* rows, for sizes 1, 2, 4, ... up to the whole batch, and the
+largest size that fits is kept, until a batch has more rows or a longer row. Measuring leaves no
+trace (gradients already in ``.grad`` are put back), and an out-of-memory error counts as over
+budget. Where the model can checkpoint, larger sizes are measured again with checkpointing on, and
+taken when the measured times say the step is faster. docs/speed.md says the rest.
 """
 
 from __future__ import annotations
@@ -39,8 +24,8 @@ from torch import Tensor, nn
 
 from st_ext import checkpointing
 from st_ext._compat import compiled_module
-from st_ext.losses.features import Features, minibatch_features
-from st_ext.losses.minibatches import ColumnLayout, MiniBatchPlan, Segment, can_merge
+from st_ext.losses.features import ColumnLayout, Features, minibatch_features
+from st_ext.losses.minibatches import Segment, can_merge
 from st_ext.memory import measure_peak
 from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 
@@ -66,12 +51,10 @@ class AutoChoice:
     tried: dict[int | str, int] = field(default_factory=dict)
     checkpointing: bool = False
 
-    @property
-    def single_pass(self) -> bool:
-        return self.size >= self.rows
-
     def __str__(self) -> str:
-        how = "one pass over the whole batch" if self.single_pass else f"{-(-self.rows // self.size)} mini-batches"
+        how = (
+            "one pass over the whole batch" if self.size >= self.rows else f"{-(-self.rows // self.size)} mini-batches"
+        )
         if self.checkpointing:
             how += " with gradient checkpointing"
         if self.budget_bytes is None:
@@ -111,8 +94,7 @@ class AutoMiniBatch:
     def size_for(
         self, model: nn.Module, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
     ) -> int:
-        """The mini-batch size for this batch: the last choice, or a new measurement when this batch
-        has more rows or a longer row than the last one measured."""
+        """The last choice, or a new measurement when this batch has more rows or a longer row."""
         rows = sum(layout.rows for layout in layouts)
         longest = max(_longest_row(features, layout) for features, layout in zip(sentence_features, layouts))
         if self.choice is None or rows > self.choice.rows or longest > self.choice.longest_row:
@@ -181,18 +163,7 @@ class _Series:
     """Probes of doubling mini-batch sizes on the batch's longest rows: peak bytes (estimates of the
     rest of the step included) and seconds of each, with or without gradient checkpointing."""
 
-    def __init__(
-        self,
-        model,
-        sentence_features,
-        layouts,
-        rows,
-        budget,
-        device,
-        *,
-        checkpointed: bool = False,
-        update_bytes: int = 0,
-    ):
+    def __init__(self, model, sentence_features, layouts, rows, budget, device, *, checkpointed=False, update_bytes=0):
         self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
         self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
         self.update_bytes = update_bytes
@@ -205,7 +176,6 @@ class _Series:
 
     def largest_fitting(self, start: int) -> int:
         """The largest probed size from ``start`` up whose step fits the budget (0: none)."""
-        plan = MiniBatchPlan([], list(self.layouts))
         fitting, dim = 0, 0
         for size in _candidates(len(self.order), start):
             predicted = self._extrapolated(size)
@@ -217,11 +187,10 @@ class _Series:
                 return fitting
             rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
             passes = 1 if size >= self.rows else 2
-            switch = checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext()
             began = time.perf_counter()
-            with switch:
+            with checkpointed(self.model, self.checkpointed):
                 graph_peak, dim, self.meter = _probe_peak(
-                    self.model, minibatch_features(self.sentence_features, plan.layouts, rows), self.device, passes
+                    self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, passes
                 )
             self.seconds[size] = (time.perf_counter() - began) / passes
             peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)
@@ -242,8 +211,14 @@ class _Series:
         return fitting
 
     def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
-        """A step's peak: the larger of the backward (the graph and the rest of the loss) and the update."""
-        return max(graph_peak + _step_overhead_bytes(self.rows, self.layouts, dim, size), self.update_bytes)
+        """A step's peak: the larger of the backward and the update. Beyond one mini-batch's graph, the
+        backward holds the batch's embeddings, their cached gradients and a transformed copy (Matryoshka,
+        normalisation), in fp32, and the loss's score block for ``size`` anchors against every candidate
+        with its softmax and gradient (estimated)."""
+        anchors = self.layouts[0].rows
+        candidates = self.rows - anchors if len(self.layouts) > 1 else self.rows
+        overhead = 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+        return max(graph_peak + overhead, self.update_bytes)
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
@@ -353,15 +328,6 @@ def _probe_peak(
     return peak.peak_bytes, dim, meter
 
 
-def _step_overhead_bytes(rows: int, layouts: Sequence[ColumnLayout], dim: int, size: int) -> int:
-    """What a step holds beyond one mini-batch's graph, estimated: the batch's embeddings, their cached
-    gradients and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block
-    for ``size`` anchors against every candidate with its softmax and gradient."""
-    anchors = layouts[0].rows
-    candidates = rows - anchors if len(layouts) > 1 else rows
-    return 4 * (3 * rows * dim + 3 * min(size, anchors) * max(candidates, 1))
-
-
 #: Optimizer states per parameter that a first step allocates, by optimizer class name (others: 2, as Adam).
 STATES_PER_PARAMETER = {"SGD": 1, "Adagrad": 1, "RMSprop": 1, "Adam": 2, "AdamW": 2}
 
@@ -390,6 +356,11 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def checkpointed(model: nn.Module, on: bool) -> contextlib.AbstractContextManager:
+    """Gradient checkpointing on in the block where the auto mode chose it (the model is left as it was)."""
+    return checkpointing.switched_on(model) if on else contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class Sizing:
     """How this batch is embedded: rows (or tokens) per mini-batch, and whether the graph passes checkpoint."""
@@ -414,10 +385,21 @@ def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layo
     return Sizing(size, None, loss.auto.choice.checkpointing)
 
 
+def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
+    if mini_batch_size != AUTO and (
+        isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
+    ):
+        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
+    if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
+        raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
+
+
 def make_auto_mini_batch(
     mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
 ) -> AutoMiniBatch | None:
-    """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``)."""
+    """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``),
+    after refusing settings no cached loss takes."""
+    validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
     if mini_batch_size != AUTO:
         if memory_budget_mb is not None:
             raise ValueError("memory_budget_mb applies to mini_batch_size='auto' only; set mini_batch_size='auto'.")

@@ -1,22 +1,11 @@
-"""The one seam of the cached losses: a loss over cached embeddings, described as data.
+"""The one seam of the cached losses: a loss over cached embeddings, described as data (docs/architecture.md).
 
-The GradCache engine (:func:`~st_ext.losses.gradcache.gradcache_forward`) runs a :class:`CachedLoss`:
-the model it embeds with, its mini-batch setting, its frozen encoders, and ``start``, which opens
-one forward pass (:class:`LossStep`): the loss over the embeddings, and what to do once it is computed.
-
-A wrapper is a function from one ``CachedLoss`` to another, in the spirit of GradCache's functional
-form (a function over the cached leaves, plus a closure): Matryoshka replaces the loss over
-embeddings by a weighted sum over truncations, cross-batch memory adds its queue to the loss and
-enqueues in :attr:`LossStep.finish`, the layer-wise losses embed several layers and call the inner
-loss once per layer. None of them names another: each asks :func:`as_cached_loss` for what it wraps.
-
-:func:`as_cached_loss` answers from a registry of adapters, one per loss class, found along the
-class's MRO::
-
-    register_cached_loss(MyCachedLoss, lambda loss: from_protocol(loss))
-
-An adapter returns a ``CachedLoss``, or None when the loss does not cache after all; it raises to
-refuse a loss no wrapper can run. Adapters only read the losses they describe: nothing is set on them.
+A wrapper is a function from one :class:`CachedLoss` to another, in the spirit of GradCache's
+functional form: Matryoshka replaces the loss over embeddings by a weighted sum over truncations,
+cross-batch memory adds its queue and enqueues in :attr:`LossStep.finish`, the layer-wise losses
+embed several layers. None of them names another: each asks :func:`as_cached_loss` for what it
+wraps, which answers from adapters registered per loss class (``register_cached_loss``); an adapter
+only reads the loss it describes, and raises to refuse one no wrapper can run.
 
 A loss written against the older protocol (``model``, ``mini_batch_size``, ``mini_batch_num_tokens``,
 ``show_progress_bar``, ``frozen_embeddings(features, ranges)``, ``loss_from_embeddings(reps, frozen,
@@ -25,8 +14,7 @@ labels, *, with_backward)``) is described by :func:`from_protocol`; the engine a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,13 +37,9 @@ FrozenFn = Callable[[list[Features], list[Ranges]], "Reps | None"]
 #: each ``(rows, dim)``, the sentence embedding first. ``encoder.layers`` (when it has it) names the hidden
 #: state each later output comes from.
 Encoder = Callable[[nn.Module, Features], list[Tensor]]
-#: ``finish(layers, outputs)``: called once the step's loss is computed, with every output's embeddings
-#: (``outputs[i]`` is :data:`Reps`) and the layer each comes from (None: the model's output).
-Finish = Callable[[list, list[Reps]], None]
 
 
 def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
-    """The default :data:`Encoder`: the sentence embedding alone."""
     return [model(features)["sentence_embedding"]]
 
 
@@ -68,13 +52,14 @@ class LossStep:
     """One forward pass of a cached loss.
 
     ``draw(layer)`` is the loss over embeddings for one call (``layer``: a hidden-state index, None for
-    the model's output), drawing what the loss draws per call (Matryoshka's dimensions); ``finish`` runs
-    once the step's loss is computed; ``encoder`` embeds each mini-batch. With ``over_layers`` the
-    loss receives ``[reps of output 0, reps of output 1, …]`` instead of one :data:`Reps`.
+    the model's output), drawing what the loss draws per call (Matryoshka's dimensions);
+    ``finish(layers, outputs)`` runs once the step's loss is computed, with every output's :data:`Reps`
+    and the layer each comes from (None: the model's output); ``encoder`` embeds each mini-batch. With
+    ``over_layers`` the loss receives ``[reps of output 0, reps of output 1, …]`` instead of one ``Reps``.
     """
 
     draw: Callable[[Any], LossFn]
-    finish: Finish = _nothing
+    finish: Callable[[list, list[Reps]], None] = _nothing
     encoder: Encoder = sentence_embedding
     over_layers: bool = False
 
@@ -83,10 +68,10 @@ class LossStep:
 class CachedLoss:
     """A loss over cached embeddings, as the engine runs it.
 
-    ``mini_batch_size`` is a number or ``"auto"`` (then ``auto`` holds the
-    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch` that resolves it). ``start(sentence_features,
-    mini_batch_size)`` opens a forward pass, before any mini-batch is embedded, with the size resolved
-    for this batch (a loss that scores its anchors a block at a time uses it as its block).
+    ``mini_batch_size`` is a number or ``"auto"`` (resolved by ``auto``, an
+    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch`). ``start(sentence_features, mini_batch_size)``
+    opens a forward pass, before any mini-batch is embedded, with the size resolved for this batch (a
+    loss that scores its anchors a block at a time uses it as its block).
     """
 
     name: str
@@ -100,16 +85,10 @@ class CachedLoss:
     frozen: FrozenFn | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# The registry
-
-#: Turns a loss instance into its :class:`CachedLoss`, or None.
-CachedLossAdapter = Callable[[nn.Module], "CachedLoss | None"]
-
-_ADAPTERS: dict[type, CachedLossAdapter] = {}
+_ADAPTERS: dict[type, Callable[[nn.Module], CachedLoss | None]] = {}
 
 
-def register_cached_loss(loss_class: type, adapter: CachedLossAdapter) -> None:
+def register_cached_loss(loss_class: type, adapter: Callable[[nn.Module], CachedLoss | None]) -> None:
     """Make :func:`as_cached_loss` answer ``adapter(loss)`` for instances of ``loss_class`` and of its
     subclasses (unless a subclass registers its own). Registering a class again replaces its adapter."""
     _ADAPTERS[loss_class] = adapter
@@ -119,7 +98,7 @@ def as_cached_loss(loss: Any) -> CachedLoss | None:
     """``loss`` as a :class:`CachedLoss` when st_ext runs its GradCache, else None (a wrapper then
     treats it as upstream's wrapper would). The adapter of the first class along ``type(loss).__mro__``
     that has one decides; a subclass that overrides a step of upstream's engine gets None, since only
-    upstream's engine calls it (:mod:`st_ext.losses.overrides`)."""
+    upstream's engine calls it."""
     for cls in type(loss).__mro__:
         adapter = _ADAPTERS.get(cls)
         if adapter is not None:
@@ -144,36 +123,35 @@ def described(
     )
 
 
-def from_protocol(loss: Any) -> CachedLoss:
-    """A loss that provides ``loss_from_embeddings`` and ``frozen_embeddings`` (the protocol in the
-    module docstring), described. Its loss over embeddings reads the resolved ``mini_batch_size``."""
+def described_with(loss: Any, calculate: LossFn, frozen: FrozenFn | None = None) -> CachedLoss:
+    """``loss`` described with ``calculate(reps, frozen, labels, *, with_backward)`` as its loss over
+    embeddings, which holds no embeddings of its own for a wrapper's ``embedding_map`` to apply to.
+
+    ``calculate`` may score its anchors ``loss.mini_batch_size`` at a time (upstream's ``calculate_loss``,
+    the older protocol): where that reads ``"auto"``, it reads the size resolved for the batch while
+    ``calculate`` runs (the one place a loss's setting is written).
+    """
 
     def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
         def loss_fn(
             reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
-        ):
-            # The protocol's loss holds no embeddings of its own for a wrapper's map to apply to.
-            with reading_mini_batch_size(loss, mini_batch_size):
-                return loss.loss_from_embeddings(reps, frozen, labels, with_backward=with_backward)
+        ) -> Tensor:
+            if loss.mini_batch_size != AUTO:
+                return calculate(reps, frozen, labels, with_backward=with_backward)
+            loss.mini_batch_size = mini_batch_size
+            try:
+                return calculate(reps, frozen, labels, with_backward=with_backward)
+            finally:
+                loss.mini_batch_size = AUTO
 
         return LossStep(lambda layer: loss_fn)
 
-    return described(loss, start, loss.frozen_embeddings)
+    return described(loss, start, frozen)
 
 
-@contextmanager
-def reading_mini_batch_size(loss: Any, mini_batch_size: int) -> Iterator[None]:
-    """For a loss over embeddings that scores its anchors ``self.mini_batch_size`` at a time (upstream's
-    ``calculate_loss``, the older protocol): where that reads ``"auto"``, it reads the size resolved for this
-    batch during the block, and ``"auto"`` again after it. The one place a loss's setting is written."""
-    if loss.mini_batch_size != AUTO:
-        yield
-        return
-    loss.mini_batch_size = mini_batch_size
-    try:
-        yield
-    finally:
-        loss.mini_batch_size = AUTO
+def from_protocol(loss: Any) -> CachedLoss:
+    """A loss with the older protocol (module docstring), described."""
+    return described_with(loss, loss.loss_from_embeddings, loss.frozen_embeddings)
 
 
 def with_loss(description: CachedLoss, name: str, loss_for: Callable[..., LossStep]) -> CachedLoss:

@@ -1,16 +1,9 @@
 """Upstream's cached ranking losses on st_ext's GradCache engine, with ``mini_batch_size="auto"``.
 
-``CachedMultipleNegativesRankingLoss`` and ``CachedMultipleNegativesSymmetricRankingLoss`` are
-upstream's classes, subclassed: the constructor takes the installed release's arguments in its
-order (plus the keyword-only ``memory_budget_mb``), the loss over embeddings is upstream's own
-``calculate_loss`` (every option of the installed release: similarity, scale, directions,
-hardness, gathering across devices), and the model card names upstream's class. Only the forward
-pass is st_ext's (:func:`~st_ext.losses.gradcache.gradcache_forward`): columns share forward passes,
-each mini-batch is as wide as its own longest row, nothing waits on the device between mini-batches,
-one pass runs when the whole batch fits, and ``mini_batch_size`` may be ``"auto"``.
-
-A subclass that overrides a step of upstream's engine (``embed_minibatch``, ...: see
-:mod:`st_ext.losses.overrides`) runs upstream's forward instead, which calls its override.
+The classes subclass upstream's: its constructor (the installed release's arguments, in its order,
+plus the keyword-only ``memory_budget_mb``), its ``calculate_loss`` (every option of the installed
+release) and its model card; only the forward pass is st_ext's. A subclass that overrides a step of
+upstream's engine runs upstream's forward instead (:mod:`st_ext.losses.overrides`).
 """
 
 from __future__ import annotations
@@ -25,15 +18,8 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    LossStep,
-    Reps,
-    described,
-    reading_mini_batch_size,
-    register_cached_loss,
-)
-from st_ext.losses.gradcache import Features, gradcache_forward, validate_mini_batching
+from st_ext.losses.cached_loss import CachedLoss, Reps, described_with, register_cached_loss
+from st_ext.losses.gradcache import Features, gradcache_forward
 from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()
@@ -43,11 +29,8 @@ _PLACEHOLDER_SIZE = 32
 
 
 class CachedRankingMixin:
-    """What both classes add to their upstream base: the auto mode and st_ext's forward pass.
-
-    ``st_ext_upstream_class`` is the upstream class the class derives from: a subclass that overrides
-    one of its engine's hooks runs its forward, the one that calls them.
-    """
+    """What both classes add to their upstream base (``st_ext_upstream_class``): the auto mode and
+    st_ext's forward pass."""
 
     st_ext_upstream_class: type
 
@@ -63,7 +46,6 @@ class CachedRankingMixin:
         upstream_class.__init__(self, **upstream_arguments)
         if auto:
             self.mini_batch_size = AUTO
-        validate_mini_batching(self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None))
         self.auto_mini_batch = make_auto_mini_batch(
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
@@ -80,8 +62,8 @@ class CachedRankingMixin:
 
 
 def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
-    """An upstream cached ranking loss described: ``CachedMultipleNegatives(Symmetric)RankingLoss`` and,
-    on releases with a shared GradCache base, every loss built on it (e.g. ``MegaBatchMarginLoss``).
+    """An upstream cached ranking loss described (on 5.7+, every loss on the shared GradCache base too,
+    e.g. ``MegaBatchMarginLoss``).
 
     Its loss over embeddings is the class's ``calculate_loss``, not the instance's, so an instance that
     upstream's ``MatryoshkaLoss`` already decorated is not truncated a second time; with ``as_decorated``,
@@ -91,22 +73,17 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
     # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
     takes_labels = mixin is not None and isinstance(loss, mixin)
 
-    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        def loss_fn(reps: Reps, frozen, labels, *, with_backward: bool, embedding_map=None) -> Tensor:
-            calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
-            with reading_mini_batch_size(loss, mini_batch_size):
-                return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+    def calculate(reps: Reps, frozen, labels, *, with_backward: bool) -> Tensor:
+        calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
+        return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
 
-        return LossStep(lambda layer: loss_fn)
-
-    return described(loss, start)
+    return described_with(loss, calculate)
 
 
-def _documented(upstream_class: type) -> str:
-    return (upstream_class.__doc__ or upstream_class.__init__.__doc__ or "") + (
-        '\n\n    st_ext: runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the '
-        "keyword-only ``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`).\n"
-    )
+_NOTE = (
+    'runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the keyword-only '
+    "``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`)."
+)
 
 
 with warnings.catch_warnings():
@@ -114,20 +91,18 @@ with warnings.catch_warnings():
     # Constructing st_ext's class warns instead, as constructing upstream's does.
     warnings.simplefilter("ignore", DeprecationWarning)
 
-    @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss)
+    @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss, _NOTE)
     class CachedMultipleNegativesRankingLoss(CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss):
-        __doc__ = _documented(_upstream.CachedMultipleNegativesRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
         def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
             self._set_up(memory_budget_mb, upstream_arguments)
 
-    @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+    @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
     class CachedMultipleNegativesSymmetricRankingLoss(
         CachedRankingMixin, _upstream.CachedMultipleNegativesSymmetricRankingLoss
     ):
-        __doc__ = _documented(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)

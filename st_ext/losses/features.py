@@ -1,30 +1,12 @@
 """One input column's features: which part of every key belongs to which row, and cutting rows out of them.
 
-sentence-transformers hands a loss one dict of features per input column. Which part of a key
-belongs to row ``i`` depends on the key, and this module is the one place that knows it:
-
-* **row-first** tensors: index ``i`` of the first axis (padded text ``(rows, width)``, per-row
-  images ``(rows, C, H, W)`` as CLIP/SigLIP give them, ``num_images_per_sample``, sample-first
-  image keys such as Idefics3's ``(rows, images, C, H, W)``). Padded text's token axis is trimmed to
-  the widest row of a slice; leading padding is kept, so positions do not shift.
-* **flattened text** (sentence-transformers 5.4+ with variable-length attention): every row in one
-  sequence ``(1, tokens)``, the rows' token offsets in ``cu_seq_lens_q``; the slice's boundaries,
-  ``seq_idx`` and longest length are rebuilt.
-* **flattened media** (Qwen2-VL style): every image's patches in one ``pixel_values``
-  ``(patches, dim)``, one ``image_grid_thw`` row per image whose product is its patch count, and
-  ``num_images_per_sample`` images per row (videos alike, with ``video_grid_thw``,
-  ``pixel_values_videos`` and ``num_videos_per_sample``). A slice with no image drops the keys.
-* **per-image** tensors without a grid (LLaVA / Gemma3 style): ``pixel_values``, ``image_sizes`` and
-  ``image_position_ids`` hold ``num_images_per_sample[i]`` entries for row ``i``.
-* everything else that is not a tensor with rows (strings, numbers, 0-d tensors) is shared by every row.
-
-These are the rules of upstream's ``_create_minibatch`` (sentence-transformers 6.2), so a slice
-here holds what upstream's engine would embed for the same rows. :func:`layout_of` applies them
-once per column and batch, reading the few counts it needs from the device in one copy each;
-cutting and concatenating afterwards never reads the device again. A tensor that no rule covers
-stops the step with :class:`UnsliceableFeatureError`: a guessed cut would embed the wrong pixels
-without a sound. Every slice is a copy: a module that edits its input in place (4.x's ``Pooling``
-zeroes prompt positions in the mask it is given) cannot change what a later pass over the rows sees.
+The layouts (padded and flattened text, per-row images, flattened media with grids, per-image keys;
+see docs/every-input.md) follow upstream's ``_create_minibatch`` (sentence-transformers 6.2), so a
+slice holds what upstream's engine would embed for the same rows. :func:`layout_of` reads the few
+counts it needs from the device once per column and batch; cutting afterwards never reads it again.
+A tensor no rule covers raises :class:`UnsliceableFeatureError`: a guessed cut would embed the wrong
+pixels without a sound. Every slice is a copy: a module that edits its input in place (4.x's
+``Pooling`` zeroes prompt positions in the mask) cannot change what a later pass over the rows sees.
 """
 
 from __future__ import annotations
@@ -42,11 +24,9 @@ from torch import Tensor, nn
 Features = dict[str, Any]
 Ranges = list[tuple[int, int]]
 
-#: Keys holding the row boundaries of flattened features, rebuilt for every slice.
+#: Keys of flattened features rebuilt for every slice: row boundaries, longest row.
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
-#: Keys holding the longest row of flattened features, recomputed for every slice.
 MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
-#: Keys only flattened features carry; a padded copy drops them.
 FLATTENED_ONLY_KEYS = (*BOUNDARY_KEYS, *MAX_LENGTH_KEYS, "seq_idx", "position_ids")
 #: ``(grid, patches, per-row count)`` keys of flattened media, and the axes they are cut along.
 MEDIA_GRIDS = (
@@ -57,7 +37,6 @@ MEDIA_GRIDS = (
 PER_IMAGE_KEYS = ("pixel_values", "image_position_ids", "image_sizes")
 #: Keys of processors that pad images per row (Idefics3, Mllama): their image keys are row-first.
 SAMPLE_FIRST_IMAGE_KEYS = ("pixel_attention_mask", "aspect_ratio_ids")
-#: Every key :func:`is_media_key` knows by name (besides ``pixel_*``).
 _MEDIA_KEYS = frozenset(
     {key for entry in MEDIA_GRIDS for key in entry[:3]} | {*PER_IMAGE_KEYS, *SAMPLE_FIRST_IMAGE_KEYS}
 )
@@ -74,13 +53,7 @@ class UnsliceableFeatureError(ValueError):
 
 
 def is_flattened(features: Features) -> bool:
-    """Whether the column's rows are concatenated into one sequence (no padding)."""
     return "cu_seq_lens_q" in features
-
-
-def row_boundaries(features: Features) -> list[int]:
-    """Token offsets of every row of flattened features: row ``i`` is tokens ``b[i]:b[i + 1]``."""
-    return features["cu_seq_lens_q"].tolist()
 
 
 def collator_inputs(features: Features) -> dict[str, Tensor]:
@@ -103,13 +76,9 @@ def batch_size_of(features: Features) -> int:
     return next(value.shape[0] for value in features.values() if isinstance(value, Tensor) and value.ndim > 0)
 
 
-# ---------------------------------------------------------------------------------------------
-# The layout: how every key is cut, with the per-row offsets it is cut by
-
-
 @dataclass(frozen=True)
 class ColumnLayout:
-    """How to cut one column into rows, on the host: enough to slice it without asking the device again.
+    """How to cut one column into rows, on the host.
 
     ``cuts``: for every key, the axis it is cut along (a key of ``offsets``) or how it is rebuilt;
     ``offsets``: per axis, ``rows + 1`` offsets: row ``i`` owns entries ``offsets[i]:offsets[i + 1]``;
@@ -133,18 +102,16 @@ class ColumnLayout:
 
     @property
     def bounds(self) -> np.ndarray | None:
-        """Flattened layout: the token offsets of the rows (``cu_seq_lens_q``)."""
         return self.offsets.get(TOKEN)
 
     @property
     def has_media_axes(self) -> bool:
-        """Some key is cut per image or per patch rather than per row."""
         return any(cut not in (ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX) for cut in self.cuts.values())
 
 
 def layout_of(features: Features) -> ColumnLayout:
     """The column's :class:`ColumnLayout`, from one device-to-host copy of its text facts (and one of
-    its media counts, if it has media)."""
+    its media counts)."""
     rows = batch_size_of(features)
     offsets: dict[str, np.ndarray] = {ROW: np.arange(rows + 1)}
     if is_flattened(features):
@@ -189,8 +156,8 @@ def is_media_key(key: str) -> bool:
 
 
 def _padded_text_facts(features: Features) -> dict[str, Any]:
-    """Lengths, ends and padding side of padded rows, from one copy; positions a model scores although
-    they are masked (query expansion) count as part of their row."""
+    """Lengths, ends and padding side of padded rows; positions a model scores although they are masked
+    (query expansion) count as part of their row."""
     mask = features.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.ndim != 2:
         return {}
@@ -213,7 +180,7 @@ def _padded_text_facts(features: Features) -> dict[str, Any]:
 
 
 def _media_cuts(features: Features, rows: int, offsets: dict[str, np.ndarray]) -> dict[str, str]:
-    """Cuts of the media keys of padded features, adding the per-row offsets of their axes to ``offsets``."""
+    """Cuts of the media keys of padded features; adds the per-row offsets of their axes to ``offsets``."""
     cuts: dict[str, str] = {}
     counts = {key: features[key] for _, _, key, _, _ in MEDIA_GRIDS if isinstance(features.get(key), Tensor)}
     grids = [
@@ -251,7 +218,7 @@ def _media_cuts(features: Features, rows: int, offsets: dict[str, np.ndarray]) -
 
 
 def _to_host(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
-    """1-D integer tensors, copied to the host together."""
+    """1-D integer tensors, copied to the host in one copy."""
     if not tensors:
         return {}
     sizes = [len(value) for value in tensors.values()]
@@ -263,14 +230,10 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-# ---------------------------------------------------------------------------------------------
-# Cutting rows out, and putting slices together
-
-
 def slice_rows(features: Features, begin: int, end: int, layout: ColumnLayout) -> Features:
-    """Rows ``begin:end`` of a column as a copy, cut by its layout (no device synchronisation): padded
-    rows lose the trailing padding none of them needs, flattened rows get their boundaries, row numbers
-    and longest length rebuilt, media keys keep the rows' images (and are left out when there are none)."""
+    """Rows ``begin:end`` of a column as a copy: padded rows lose the trailing padding none of them needs,
+    flattened rows get their boundaries, row numbers and longest length rebuilt, media keys keep the
+    rows' images (and are left out when there are none)."""
     width = None
     if layout.ends is not None and end > begin:
         width = int(layout.ends[begin:end].max()) or None
@@ -316,8 +279,8 @@ def select_rows(features: Features, rows: Sequence[int], layout: ColumnLayout | 
 
 def concat_slices(pieces: Sequence[Features], layout: ColumnLayout) -> Features:
     """Slices (of this column, or of columns that :func:`~st_ext.losses.minibatches.can_merge`), as one
-    batch of their rows in order: padded token axes zero-padded on the right where the mask is 0,
-    flattened boundaries shifted by the tokens before and row numbers by the rows before."""
+    batch of their rows in order: padded token axes zero-padded on the right, flattened boundaries and
+    row numbers shifted by the tokens and rows before."""
     if len(pieces) == 1:
         return pieces[0]
     if layout.flattened:
@@ -350,9 +313,8 @@ def concat_slices(pieces: Sequence[Features], layout: ColumnLayout) -> Features:
 def minibatch_features(
     sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout], minibatch: Sequence[Any]
 ) -> Features:
-    """The features one forward pass embeds: the rows of every segment of ``minibatch`` (each with its
-    ``column``, ``begin`` and ``end``, see :class:`~st_ext.losses.minibatches.Segment`), as copies, in order,
-    padded only as far as the mini-batch's own longest row needs."""
+    """The features one forward pass embeds: the rows of every segment of ``minibatch``
+    (:class:`~st_ext.losses.minibatches.Segment`), in order, padded only as far as its longest row needs."""
     pieces = [
         slice_rows(sentence_features[segment.column], segment.begin, segment.end, layouts[segment.column])
         for segment in minibatch
@@ -366,16 +328,12 @@ def _pad_tokens(value: Tensor, width: int) -> Tensor:
     return F.pad(value, [0, 0] * (value.ndim - 2) + [0, width - value.shape[1]])
 
 
-# ---------------------------------------------------------------------------------------------
-# Rows as text: token ids, keys, a padded copy
-
-
 def row_token_ids(features: Features) -> list[np.ndarray]:
     """Every row's token ids without padding, as int64 arrays (numpy: row-by-row indexing is ten times
     faster there than in torch, and this runs every step)."""
     input_ids = features["input_ids"].detach().cpu().to(torch.int64).numpy()
     if is_flattened(features):
-        bounds = row_boundaries(features)
+        bounds = features["cu_seq_lens_q"].tolist()
         tokens = input_ids.reshape(-1)
         return [tokens[begin:end] for begin, end in zip(bounds[:-1], bounds[1:])]
     mask = features.get("attention_mask")
@@ -385,9 +343,8 @@ def row_token_ids(features: Features) -> list[np.ndarray]:
 
 
 def row_keys(features: Features) -> list[bytes]:
-    """One key per row: its non-padding token ids, so the same text has the same key in either layout
-    and at any padding, and a digest of the row's own images and videos, if it has any (two images of
-    one size give the same placeholder tokens, so the ids alone would take one image for the other)."""
+    """One key per row: its non-padding token ids (the same in either layout and at any padding), and a
+    digest of the row's own images and videos (two images of one size give the same placeholder tokens)."""
     if "input_ids" in features:
         keys = [ids.tobytes() for ids in row_token_ids(features)]
     else:

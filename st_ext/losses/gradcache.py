@@ -1,7 +1,5 @@
 """GradCache (https://huggingface.co/papers/2101.06983): batch-sized contrastive losses in mini-batch memory.
 
-A cached loss trades one extra forward pass for memory bounded by the mini-batch:
-
     (1) embed every mini-batch without a graph, keeping the RNG state each one started from;
     (2) compute the loss over all the embeddings and back-propagate it to the embeddings only:
         those gradients are the cache (the loss may chunk itself and back-propagate chunk by chunk);
@@ -9,27 +7,16 @@ A cached loss trades one extra forward pass for memory bounded by the mini-batch
         replayed RNG state so dropout draws the same masks, and back-propagate its cached gradient
         through it; one mini-batch graph is alive at a time.
 
-The mini-batches are planned once per batch on the host (:mod:`st_ext.losses.minibatches`): columns
-share forward passes where they can, each mini-batch is padded to its own longest row, and no
-step waits on the device to find out where a mini-batch ends. When one mini-batch holds the whole
-batch, (1)-(3) buy nothing and the plain forward and backward run instead. ``mini_batch_size="auto"``
-is resolved per batch by :mod:`st_ext.losses.auto_mini_batch`.
-
-A mini-batch's forward pass may give several outputs (:data:`Encoder`): a layer-wise loss caches the
-pooled embedding of every layer it uses (:mod:`st_ext.losses.adaptive_layer`), and step (3) back-propagates
-the cached gradients of all of them through one graph.
-
-Frozen encoders (a GIST guide) need no gradient, so their embeddings are computed once in (1) and
-never again. A loss plugs into :func:`gradcache_forward` as a :class:`~st_ext.losses.cached_loss.CachedLoss`
-(the seam every wrapper transforms); everything that belongs to one forward pass (features, plan, RNG states, gradients) is
-passed to the loss's backward as arguments, so a second forward pass cannot corrupt the first.
+When one mini-batch holds the whole batch, (1)-(3) buy nothing and the plain forward and backward
+run instead. Frozen encoders (a GIST guide) are embedded once, in (1). Everything that belongs to one
+forward pass is handed to its backward as arguments, so a second forward pass cannot corrupt the first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,20 +24,22 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
-from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.losses.auto_mini_batch import AUTO, resolve_mini_batching
-from st_ext.losses.cached_loss import (  # noqa: F401  (re-exported: the seam's types are the engine's API)
+from st_ext.losses.auto_mini_batch import (  # noqa: F401  (validate_mini_batching: re-exported for the losses)
+    checkpointed,
+    resolve_mini_batching,
+    validate_mini_batching,
+)
+from st_ext.losses.cached_loss import (
     CachedLoss,
     Encoder,
     LossFn,
-    LossStep,
     Reps,
     as_cached_loss,
     from_protocol,
     sentence_embedding,
 )
-from st_ext.losses.features import (  # noqa: F401  (re-exported: the features API is public here too)
+from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_keys: re-exported for the losses)
     ColumnLayout,
     Features,
     Ranges,
@@ -60,17 +49,14 @@ from st_ext.losses.features import (  # noqa: F401  (re-exported: the features A
     minibatch_features,
     row_keys,
 )
-from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches, split_rows
+from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches
 from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 
 
 class RngState:
-    """The CPU and accelerator generator states one mini-batch's first forward pass started from.
-
-    Replaying them makes the second forward pass draw the same dropout masks, so the cached
-    gradients belong to the embeddings they are applied to. The outer RNG is left untouched.
-    CUDA-like devices keep one generator per device (``get_device_states``); MPS has a single
-    generator and no per-device context, so its state is kept and restored on its own.
+    """The CPU and accelerator generator states one mini-batch's first forward pass started from,
+    replayed by its second pass (the outer RNG is left untouched). CUDA-like devices keep one
+    generator per device; MPS has a single one and no per-device context, so it is kept on its own.
     """
 
     def __init__(self, tensors: Iterable[Any]) -> None:
@@ -95,7 +81,6 @@ class RngState:
 
 @contextmanager
 def _single_generator_replay(state: Tensor | None) -> Iterator[None]:
-    """Run the block from the MPS generator state ``state`` and restore the outer state after it."""
     if state is None:
         yield
         return
@@ -108,9 +93,8 @@ def _single_generator_replay(state: Tensor | None) -> Iterator[None]:
 
 
 def embeds_with_static_embedding(model: nn.Module) -> bool:
-    """Whether the model's input module is a ``StaticEmbedding``, directly or as the first module of a
-    route behind a ``Router``/``Asym``: its features are one flat bag of token ids with offsets, which
-    cannot be split into mini-batches."""
+    """Whether the model's input module (or a ``Router``/``Asym`` route's first) is a ``StaticEmbedding``:
+    its features are one flat bag of token ids with offsets, which cannot be split into mini-batches."""
     static_embedding = getattr(st_modules(), "StaticEmbedding", None)
     model = unwrapped_model(model)
     if static_embedding is None or not isinstance(model, nn.Sequential) or not len(model):
@@ -121,32 +105,17 @@ def embeds_with_static_embedding(model: nn.Module) -> bool:
     return any(isinstance(module, static_embedding) for module in inputs)
 
 
-def input_module_name(model: nn.Module) -> str:
-    """The module that turns a model's inputs into features, as an error names it: its class, and the
-    Hugging Face model class inside it when it has one (``Transformer (Qwen2VLModel)``)."""
-    model = unwrapped_model(model)
-    first = model[0] if isinstance(model, nn.Sequential) and len(model) else model
-    inner = getattr(first, "auto_model", None)
-    return type(first).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
-
-
 def column_layouts(model: nn.Module, sentence_features: Sequence[Features]) -> list[ColumnLayout]:
-    """Every column's :class:`~st_ext.losses.features.ColumnLayout`; a feature no rule can cut stops
-    the step, naming the model's input module that produced it."""
+    """Every column's layout; a feature no rule can cut stops the step, naming the model's input module
+    (and the Hugging Face model inside it, e.g. ``Transformer (Qwen2VLModel)``)."""
     try:
         return [layout_of(features) for features in sentence_features]
     except UnsliceableFeatureError as error:
-        raise UnsliceableFeatureError(f"{error} The features come from {input_module_name(model)}.") from None
-
-
-def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
-    """Fail at construction rather than at the first batch."""
-    if mini_batch_size != AUTO and (
-        isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
-    ):
-        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
-    if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
-        raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
+        model = unwrapped_model(model)
+        first = model[0] if isinstance(model, nn.Sequential) and len(model) else model
+        inner = getattr(first, "auto_model", None)
+        name = type(first).__name__ + (f" ({type(inner).__name__})" if isinstance(inner, nn.Module) else "")
+        raise UnsliceableFeatureError(f"{error} The features come from {name}.") from None
 
 
 def embed_minibatches(
@@ -159,11 +128,7 @@ def embed_minibatches(
     encoder: Encoder = sentence_embedding,
 ) -> tuple[list[Reps], list[RngState | None]]:
     """Every mini-batch's outputs, split back into columns (``outputs[output][column][mini_batch]``), and
-    the RNG state each forward started from.
-
-    Runs with whatever gradient mode the caller set: without a graph for step (1), with one for a
-    single-pass batch.
-    """
+    the RNG state each forward started from, in the caller's gradient mode."""
     outputs: list[Reps] = []
     rng_states: list[RngState | None] = []
     for minibatch in tqdm(plan.minibatches, desc="Embed mini-batches", disable=not show_progress_bar):
@@ -172,73 +137,54 @@ def embed_minibatches(
         for index, output in enumerate(encoder(model, features)):
             if index == len(outputs):
                 outputs.append([[] for _ in plan.layouts])
-            if not output.requires_grad:
-                output = _compact(output)
-            for segment, rows in zip(minibatch, split_rows(output, minibatch)):
+            if not output.requires_grad and output.untyped_storage().nbytes() > output.numel() * output.element_size():
+                # In storage of its own: a pooled view (CLS pooling) would keep the whole mini-batch's token
+                # embeddings alive until the step ends.
+                output = output.clone()
+            for segment, rows in zip(minibatch, output.split([segment.end - segment.begin for segment in minibatch])):
                 outputs[index][segment.column].append(rows)
     return outputs, rng_states
 
 
-def _compact(rep: Tensor) -> Tensor:
-    """``rep`` in storage of its own: a pooled view (CLS pooling) would otherwise keep the whole
-    mini-batch's token embeddings alive until the step ends."""
-    if rep.untyped_storage().nbytes() > rep.numel() * rep.element_size():
-        return rep.clone()
-    return rep
-
-
-@dataclass(frozen=True)
-class ReplayPlan:
-    """Everything step (3) needs from one forward pass, captured when that pass ends: the mini-batches,
-    the RNG state each started from, and the cached gradient of each one's outputs."""
-
-    model: nn.Module
-    sentence_features: list[Features]
-    plan: MiniBatchPlan
-    rng_states: list[RngState]
-    #: ``grads[mini_batch][output]``: the gradient of that output's rows, or None when it got none.
-    grads: list[list[Tensor | None]]
-    show_progress_bar: bool = False
-    #: The auto mode chose gradient checkpointing for the graph passes (see :mod:`~st_ext.losses.auto_mini_batch`).
-    checkpointing: bool = False
-    encoder: Encoder = sentence_embedding
-
-
-def replay_backward(grad_output: Tensor, replay: ReplayPlan) -> None:
-    """Step (3), the loss's backward: re-embed each mini-batch with a graph, back-propagate its cached gradients.
-
-    ``grad_output`` is what the outer backward hands the loss (the fp16 scaler's scale, the
-    gradient-accumulation divisor), so every mini-batch receives it. Under a distributed engine only
-    the last mini-batch reduces gradients across ranks (:mod:`~st_ext.training.gradient_sync`). When
-    that one back-propagates nothing (its rows are frozen, e.g. a frozen route), the last mini-batch
-    that did is replayed once more with a zero gradient inside the reducing context, so the step
-    still reduces, once, on every rank.
+def replay_backward(
+    grad_output: Tensor,
+    model: nn.Module,
+    sentence_features: list[Features],
+    plan: MiniBatchPlan,
+    rng_states: list[RngState],
+    grads: list[list[Tensor | None]],
+    *,
+    encoder: Encoder,
+    checkpointing: bool,
+    show_progress_bar: bool,
+) -> None:
+    """Step (3). ``grad_output`` (the fp16 scaler's scale, the gradient-accumulation divisor) scales every
+    mini-batch. Under a distributed engine only the last mini-batch reduces gradients across ranks; when
+    that one back-propagates nothing (a frozen route), the last one that did is replayed once more with
+    a zero gradient inside the reducing context, so the step still reduces, once, on every rank.
     """
-    last = len(replay.plan.minibatches) - 1
-    jobs = list(zip(replay.plan.minibatches, replay.rng_states, replay.grads))
+
+    def replay(minibatch: MiniBatch, state: RngState, cached: list[Tensor | None], scale: Tensor) -> bool:
+        """False when none of the mini-batch's outputs needs a gradient."""
+        features = minibatch_features(sentence_features, plan.layouts, minibatch)
+        with state.replay():
+            outputs = encoder(model, features)
+        pairs = [(out, grad) for out, grad in zip(outputs, cached) if grad is not None and out.requires_grad]
+        if pairs:
+            sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
+        return bool(pairs)
+
+    last = len(plan.minibatches) - 1
+    jobs = list(zip(plan.minibatches, rng_states, grads))
     last_trained = None
-    with torch.enable_grad(), _checkpointed(replay.model, replay.checkpointing):
-        for index, job in enumerate(tqdm(jobs, desc="Backward mini-batches", disable=not replay.show_progress_bar)):
-            with gradient_sync(replay.model, sync=index == last):
-                if _replay_minibatch(replay, *job, grad_output):
+    with torch.enable_grad(), checkpointed(model, checkpointing):
+        for index, job in enumerate(tqdm(jobs, desc="Backward mini-batches", disable=not show_progress_bar)):
+            with gradient_sync(model, sync=index == last):
+                if replay(*job, grad_output):
                     last_trained = index
         if last_trained is not None and last_trained != last:
-            with gradient_sync(replay.model, sync=True), without_forward_collectives(replay.model):
-                _replay_minibatch(replay, *jobs[last_trained], torch.zeros_like(grad_output))
-
-
-def _replay_minibatch(
-    replay: ReplayPlan, minibatch: MiniBatch, state: RngState, grads: list[Tensor | None], scale: Tensor
-) -> bool:
-    """Re-embed one mini-batch under its first pass's RNG state and back-propagate ``scale`` times its
-    cached gradients; False when none of its outputs needs a gradient."""
-    features = minibatch_features(replay.sentence_features, replay.plan.layouts, minibatch)
-    with state.replay():
-        outputs = replay.encoder(replay.model, features)
-    pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
-    if pairs:
-        sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
-    return bool(pairs)
+            with gradient_sync(model, sync=True), without_forward_collectives(model):
+                replay(*jobs[last_trained], torch.zeros_like(grad_output))
 
 
 def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:
@@ -248,8 +194,7 @@ def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:
 
 
 def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor | None]]:
-    """``grads[mini_batch][output]``: each output's cached gradient for the mini-batch's rows, in its
-    segments' order; zeros for a segment that got no gradient, None for an output that got none."""
+    """``grads[mini_batch][output]``: zeros for a segment that got no gradient, None for an output that got none."""
     pieces = [[iter(column) for column in output] for output in outputs]
     grads = []
     for minibatch in plan.minibatches:
@@ -265,17 +210,12 @@ def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor 
     return grads
 
 
-def _checkpointed(model: nn.Module, on: bool):
-    return checkpointing.switched_on(model) if on else nullcontext()
-
-
 def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
-    """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3); or, when one
-    mini-batch holds the whole batch, the plain loss with its graph.
+    """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3) (or, when one
+    mini-batch holds the whole batch, the plain loss with its graph).
 
-    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, a loss registered for one
-    (:func:`~st_ext.losses.cached_loss.as_cached_loss`), or an object with the older protocol
-    (:func:`~st_ext.losses.cached_loss.from_protocol`).
+    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, a loss registered for one, or an
+    object with the older protocol (:func:`~st_ext.losses.cached_loss.from_protocol`).
     """
     if not isinstance(loss, CachedLoss):
         loss = as_cached_loss(loss) or from_protocol(loss)
@@ -299,7 +239,7 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and plan.single_pass:
-        with _checkpointed(loss.model, batching.checkpointing):
+        with checkpointed(loss.model, batching.checkpointing):
             outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
         return finished(outputs, loss_over(outputs, with_backward=False))
     with torch.no_grad():
@@ -322,31 +262,32 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
             f"{loss.name} did not use input column(s) {', '.join(unused)}: their embeddings got no "
             "gradient. Remove the unused column(s) from the dataset."
         )
-    replay = ReplayPlan(
-        loss.model,
-        sentence_features,
-        plan,
-        rng_states,
-        _output_grads(outputs, plan),
-        loss.show_progress_bar,
-        batching.checkpointing,
-        encoder,
+    replay = partial(
+        replay_backward,
+        model=loss.model,
+        sentence_features=sentence_features,
+        plan=plan,
+        rng_states=rng_states,
+        grads=_output_grads(outputs, plan),
+        encoder=encoder,
+        checkpointing=batching.checkpointing,
+        show_progress_bar=loss.show_progress_bar,
     )
     return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
 
 
 class _ReplayOnBackward(torch.autograd.Function):
-    """The loss's value, whose backward runs step (3). A loss made by an operation (with a ``grad_fn``),
-    as DeepSpeed's ``engine.backward`` requires; the leaf it is made from receives no gradient."""
+    """The loss's value, whose backward runs step (3): made by an operation (with a ``grad_fn``), as
+    DeepSpeed's ``engine.backward`` requires."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, replay: ReplayPlan) -> Tensor:
+    def forward(ctx: Any, value: Tensor, replay: Callable[[Tensor], None]) -> Tensor:
         ctx.replay = replay
         return value.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None]:
-        replay_backward(grad_output, ctx.replay)
+        ctx.replay(grad_output)
         return None, None
 
 
@@ -360,11 +301,9 @@ def weighted_term(
     with_backward: bool,
     embedding_map=None,
 ) -> Tensor:
-    """``weight * loss_fn(reps)``, for a loss made of several weighted terms over embeddings.
-
-    With ``with_backward``, ``loss_fn`` back-propagates into leaves of its own, and ``weight`` times
-    their gradient is carried on into ``reps`` (into ``.grad`` of a leaf, or through the graph that
-    made ``reps``, e.g. a truncation); the value comes back detached.
+    """``weight * loss_fn(reps)``, one term of a weighted sum. With ``with_backward``, ``loss_fn``
+    back-propagates into leaves of its own and ``weight`` times their gradient is carried on into ``reps``
+    (through the graph that made them, e.g. a truncation); the value comes back detached.
     """
     # The map only where a wrapper made one: a registered loss's function need not take the keyword otherwise.
     mapped = {} if embedding_map is None else {"embedding_map": embedding_map}

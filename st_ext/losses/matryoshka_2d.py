@@ -22,12 +22,8 @@ _upstream = st_losses()
 MATRYOSHKA_ARGUMENTS = ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step")
 
 
-@named_like_upstream(_upstream.Matryoshka2dLoss)
+@named_like_upstream(_upstream.Matryoshka2dLoss, LAYERWISE_NOTE)
 class Matryoshka2dLoss(LayerwiseGradCache, _upstream.Matryoshka2dLoss):
-    __doc__ = (
-        _upstream.Matryoshka2dLoss.__doc__ or _upstream.Matryoshka2dLoss.__init__.__doc__ or ""
-    ) + LAYERWISE_NOTE
-
     @follows_upstream_signature(_upstream.Matryoshka2dLoss)
     def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
         dimensions = {name: upstream_arguments.pop(name) for name in MATRYOSHKA_ARGUMENTS}

@@ -1,20 +1,12 @@
 """One batch's mini-batches, planned once on the host: which rows of which columns each forward pass embeds.
 
-GradCache embeds a batch one mini-batch at a time, twice (without a graph, then with one). What
-decides its speed on an accelerator is how many forward passes it launches, how much padding
-each carries, and whether the host waits for the device between them. So the plan is made once
-per batch, before any forward pass, from one copy of each column's per-row facts
-(:class:`ColumnLayout`), and never looks at device data again:
-
-* **Merged columns.** When the columns can share a forward pass (same feature keys and metadata,
-  padding on the right or flattened rows), the batch is one sequence of rows, column after column,
-  cut into mini-batches of ``mini_batch_size`` rows (or ``mini_batch_num_tokens`` tokens): a
-  mini-batch may hold the end of the anchors and the start of the positives. With three columns of
-  256 rows and mini-batches of 512 that is two forward passes instead of three. Otherwise every
-  column is cut on its own, as upstream does.
-* **Own width.** Each mini-batch is padded only to its own longest row.
-* **One pass when it fits.** :attr:`MiniBatchPlan.single_pass` says that one mini-batch holds every
-  row of the batch: GradCache then buys nothing, and the caller runs the plain forward and backward.
+What decides GradCache's speed on an accelerator is how many forward passes it launches, how much
+padding each carries, and whether the host waits for the device between them. So the plan is made
+before any forward pass from each column's :class:`~st_ext.losses.features.ColumnLayout`. When the
+columns can share a forward pass, the batch is one sequence of rows, column after column, cut into
+mini-batches (one may hold the end of the anchors and the start of the positives: three columns of
+256 rows at mini-batches of 512 take two passes, not three); otherwise every column is cut on its
+own, as upstream does.
 """
 
 from __future__ import annotations
@@ -26,17 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_ext.losses.features import (  # noqa: F401  (ColumnLayout, layout_of: the plan's inputs, imported from here too)
-    BOUNDARY_KEYS,
-    MAX_LENGTH_KEYS,
-    ColumnLayout,
-    Features,
-    Ranges,
-    layout_of,
-)
-
-# ---------------------------------------------------------------------------------------------
-# The plan
+from st_ext.losses.features import BOUNDARY_KEYS, MAX_LENGTH_KEYS, ColumnLayout, Features, Ranges
 
 
 @dataclass(frozen=True)
@@ -47,10 +29,6 @@ class Segment:
     begin: int
     end: int
 
-    @property
-    def rows(self) -> int:
-        return self.end - self.begin
-
 
 #: The segments one forward pass embeds, in order; its output rows follow them.
 MiniBatch = tuple[Segment, ...]
@@ -58,7 +36,7 @@ MiniBatch = tuple[Segment, ...]
 
 @dataclass(frozen=True)
 class MiniBatchPlan:
-    """Every forward pass of one batch: ``minibatches`` in order, and the layouts they were cut with.
+    """Every forward pass of one batch, in order, and the layouts they were cut with.
 
     ``single_pass``: the mini-batch limit holds every row of every column at once (one merged
     mini-batch, or one per column that could not be merged): the uncached forward and backward suffice.
@@ -86,8 +64,6 @@ def plan_minibatches(
     layouts: Sequence[ColumnLayout],
     mini_batch_size: int,
     mini_batch_num_tokens: int | None = None,
-    *,
-    merge: bool = True,
 ) -> MiniBatchPlan:
     """Cut the batch into mini-batches of at most ``mini_batch_size`` rows (or ``mini_batch_num_tokens``
     non-padding tokens; a row longer than that goes alone), across columns when they can be merged."""
@@ -99,7 +75,7 @@ def plan_minibatches(
     all_rows = [(column, row) for column, layout in enumerate(layouts) for row in range(layout.rows)]
     merged_groups = _cut(all_rows, layouts, mini_batch_size, mini_batch_num_tokens)
     single_pass = len(merged_groups) <= 1
-    if merge and len(layouts) > 1 and can_merge(sentence_features, layouts):
+    if len(layouts) > 1 and can_merge(sentence_features, layouts):
         minibatches = [_segments(group) for group in merged_groups]
     else:
         minibatches = []
@@ -184,8 +160,3 @@ def _equal(first: Any, other: Any) -> bool:
         return bool(first == other)
     except (RuntimeError, ValueError, TypeError):
         return False
-
-
-def split_rows(output: Tensor, minibatch: MiniBatch) -> list[Tensor]:
-    """One mini-batch's output rows, one tensor (a view) per segment."""
-    return list(output.split([segment.rows for segment in minibatch]))

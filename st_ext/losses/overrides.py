@@ -1,12 +1,8 @@
 """Subclasses that override the steps of upstream's cached engine, which st_ext's engine never calls.
 
-Upstream's cached losses embed each mini-batch through methods a subclass may override
-(``embed_minibatch``, ``embed_minibatch_iter``; on 4.x also ``calculate_loss_and_cache_gradients``).
-st_ext's engine (:func:`~st_ext.losses.gradcache.gradcache_forward`) plans its own mini-batches and
-merges columns into shared forward passes, so it calls none of them: without a check, a user's
-override (a projection, logging) would silently do nothing. :func:`upstream_hook_overrides` finds
-such an override; the loss then runs upstream's own forward, which calls it, at the price of
-st_ext's faster engine, or refuses at construction when upstream's forward cannot run the loss.
+st_ext's engine plans its own mini-batches and merges columns into shared forward passes, so it calls
+none of upstream's per-mini-batch hooks: without a check, a user's override (a projection, logging)
+would silently do nothing. Such a loss runs upstream's own forward instead, which calls it.
 """
 
 from __future__ import annotations
@@ -19,24 +15,20 @@ from torch import nn
 
 from st_ext.losses.auto_mini_batch import AUTO
 
-#: The steps of upstream's cached engine that only upstream's forward calls; each counts only where
-#: the installed release's class has it.
+#: Each counts only where the installed release's class has it (4.x also has calculate_loss_and_cache_gradients).
 UPSTREAM_ENGINE_HOOKS = ("embed_minibatch", "embed_minibatch_iter", "calculate_loss_and_cache_gradients")
 
-#: Classes already warned about: the warning is once per class, not once per step.
+#: The warning is once per class, not once per step.
 _warned: weakref.WeakSet[type] = weakref.WeakSet()
 
 
 def upstream_hook_overrides(loss: nn.Module, upstream_class: type) -> tuple[str, ...]:
     """The hooks of ``upstream_class``'s engine that ``type(loss)`` replaces; empty: st_ext's engine may run ``loss``.
 
-    A hook counts as replaced when ``type(loss)`` has a method of that name that is not the one
-    ``upstream_class`` resolves to (st_ext's own classes define none, so only a user's subclass can).
-    When one is, ``loss`` must run ``upstream_class.forward``, so this raises ValueError, saying what
-    to change, where that cannot work: ``loss`` is not an instance of ``upstream_class`` (st_ext's own
-    implementation under upstream's name), or it uses ``mini_batch_size="auto"``, which upstream's
-    forward cannot resolve. Otherwise it warns, once per class, that st_ext's engine is bypassed.
-    Call it at construction (to refuse early) and in ``forward`` (to choose the engine).
+    When one is replaced, ``loss`` must run ``upstream_class.forward``: this raises ValueError where that
+    cannot work (``loss`` is st_ext's own implementation under upstream's name, or uses
+    ``mini_batch_size="auto"``, which upstream's forward cannot resolve), and otherwise warns, once per
+    class, that st_ext's engine is bypassed. Called at construction (to refuse early) and in ``forward``.
     """
     loss_class = type(loss)
     overridden = tuple(

@@ -23,16 +23,17 @@ from st_ext.losses.matryoshka import MatryoshkaLoss
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss
 
 MATRYOSHKA_PREFIX = "matryoshka_"
-
-
-#: The input columns of the in-batch-negative ranking losses: pairs, optionally with hard negatives.
+#: The input columns a loss trains on; a label column last where it takes one.
 PAIRS = "(anchor, positive[, negative_1, ...])"
+_SCORED = "(sentence_A, sentence_B, score)"
+_TRIPLETS = "(anchor, positive, negative)"
+_LABELLED = "(text, label)"
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """How to build one base loss: ``build(model, **kwargs)``, which shared arguments it takes, and what
-    it trains on (``columns``, in order; a label column last where it takes one)."""
+    """How to build one base loss (``build(model, **kwargs)``), which shared arguments it takes, and the
+    ``columns`` it trains on."""
 
     build: Callable[..., nn.Module]
     description: str
@@ -51,10 +52,6 @@ def _upstream(class_name: str) -> Callable[..., nn.Module]:
     """A builder for an upstream loss, looked up when called (the namespace moved between releases)."""
     return lambda model, **kwargs: getattr(st_losses(), class_name)(model, **kwargs)
 
-
-_SCORED = "(sentence_A, sentence_B, score)"
-_TRIPLETS = "(anchor, positive, negative)"
-_LABELLED = "(text, label)"
 
 BASE_LOSSES: dict[str, LossSpec] = {
     "mnrl": LossSpec(_upstream("MultipleNegativesRankingLoss"), "in-batch negatives ranking (InfoNCE)"),
@@ -124,14 +121,6 @@ def known_losses() -> list[str]:
     return sorted([*BASE_LOSSES, *matryoshka_names])
 
 
-def default_matryoshka_dims(embedding_dim: int) -> list[int]:
-    """The full dimension and its halvings down to 32 (or just the full one for tiny models)."""
-    dims = [embedding_dim]
-    while dims[-1] // 2 >= 32:
-        dims.append(dims[-1] // 2)
-    return dims
-
-
 def build_loss(
     name: str,
     model: nn.Module,
@@ -147,12 +136,12 @@ def build_loss(
     """The loss called ``name`` (see :func:`known_losses`) for ``model``.
 
     ``mini_batch_size`` (a number or ``"auto"``) and ``memory_budget_mb`` (for ``"auto"``) apply to
-    cached losses only; ``guide`` to GIST losses (which also
-    take ``guide_embeddings=`` and ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose
-    dimensions default to the model's and its halvings down to 32. Other keywords go to the base loss.
+    cached losses only; ``guide`` to GIST losses (which also take ``guide_embeddings=`` and
+    ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose dimensions default to the model's
+    and its halvings down to 32. Other keywords go to the base loss.
     """
     matryoshka = name.startswith(MATRYOSHKA_PREFIX)
-    base_name = name[len(MATRYOSHKA_PREFIX) :] if matryoshka else name
+    base_name = name.removeprefix(MATRYOSHKA_PREFIX)
     if base_name not in BASE_LOSSES:
         raise ValueError(f"Unknown loss {name!r}. Known losses: {', '.join(known_losses())}.")
     spec = BASE_LOSSES[base_name]
@@ -180,5 +169,7 @@ def build_loss(
         embedding_dim = embedding_dimension(model)
         if embedding_dim is None:
             raise ValueError(f"{name!r} needs matryoshka_dims: the model does not declare its embedding dimension.")
-        matryoshka_dims = default_matryoshka_dims(embedding_dim)
+        matryoshka_dims = [embedding_dim]
+        while matryoshka_dims[-1] // 2 >= 32:
+            matryoshka_dims.append(matryoshka_dims[-1] // 2)
     return MatryoshkaLoss(model, loss, matryoshka_dims, matryoshka_weights, n_dims_per_step)
