@@ -48,7 +48,6 @@ from st_ext.losses.gradcache import (
     embeds_with_static_embedding,
     gradcache_forward,
     row_keys,
-    validate_mini_batching,
 )
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -479,7 +478,6 @@ class CachedGISTEmbedLoss(GuidedLoss):
                 "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
                 "Consider using GISTEmbedLoss instead."
             )
-        validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
         self.auto_mini_batch = make_auto_mini_batch(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
         self.memory_budget_mb = memory_budget_mb
         self._set_up(

@@ -25,11 +25,7 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.losses.auto_mini_batch import (  # noqa: F401  (validate_mini_batching: re-exported for the losses)
-    checkpointed,
-    resolve_mini_batching,
-    validate_mini_batching,
-)
+from st_ext.losses.auto_mini_batch import checkpointed, resolve_mini_batching
 from st_ext.losses.cached_loss import (
     CachedLoss,
     Encoder,
