@@ -299,6 +299,11 @@ def own_submodules(module: nn.Module) -> dict:
     return module._modules
 
 
+def fsdp_hook_dicts(module: nn.Module) -> list[dict]:
+    """The hook dictionaries FSDP2 registers in, by what they would undo or run while a model saves."""
+    return [module._forward_pre_hooks, module._forward_hooks, module._state_dict_pre_hooks]
+
+
 def non_persistent_buffer_names(module: nn.Module) -> set[str]:
     """The names of ``module``'s own buffers that its ``state_dict`` leaves out."""
     return module._non_persistent_buffers_set

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from st_ext._compat import own_submodules
 from st_ext.training import entries_set
 
 # What CrossEncoder losses read from ``self.model`` besides calling it.
@@ -44,7 +45,7 @@ def swap_model_in_loss(loss: nn.Module, wrapped: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         return
     for module in list(loss.modules()):
-        if module.__dict__.get("_modules", {}).get("model") is model:
+        if own_submodules(module).get("model") is model:
             module.model = wrapped
     for name in CROSS_ENCODER_LOSS_ATTRIBUTES:
         if hasattr(model, name) and not hasattr(wrapped, name):

@@ -18,10 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from st_ext._compat import non_persistent_buffer_names, own_buffers, own_parameters
-
-#: The hook dictionaries FSDP2 registers in, by what they would undo or run while a model saves.
-_FSDP_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks")
+from st_ext._compat import fsdp_hook_dicts, non_persistent_buffer_names, own_buffers, own_parameters
 
 
 def _is_fsdp_hook(hook: Any) -> bool:
@@ -35,8 +32,7 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
     FSDP2 hook goes back to its place in its dictionary (FSDP2 puts its forward pre-hook first)."""
     held = []
     for module in model.modules():
-        for attribute in _FSDP_HOOK_DICTS:
-            hooks = getattr(module, attribute)
+        for hooks in fsdp_hook_dicts(module):
             removed = {hook_id: hook for hook_id, hook in hooks.items() if _is_fsdp_hook(hook)}
             if removed:
                 held.append((hooks, list(hooks), removed))
