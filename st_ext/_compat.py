@@ -118,7 +118,9 @@ def embedding_dimension(model: nn.Module) -> int | None:
 
 
 def _hf_name(name: str) -> str:
-    """``name`` (``checkpointing_enable``…) as the installed transformers prefers to spell it."""
+    """``name`` (``checkpointing_enable``…) as the installed transformers prefers to spell it: its
+    ``activation_checkpointing_enable``/``_disable``/``_kwargs`` and ``is_activation_checkpointing``, or the
+    ``gradient_`` names before them."""
     return ("activation_" if HF_HAS_ACTIVATION_CHECKPOINTING else "gradient_") + name
 
 
@@ -227,7 +229,9 @@ def profiler_cpu_memory_events(prof: Any) -> list[tuple[int, int]]:
 
 
 def unwrapped_model(model: nn.Module) -> nn.Module:
-    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    """The sentence-transformers model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers.
+    A ``CrossEncoder`` is an ``nn.Sequential`` from 5.4 on; before, the walk stops at it because it has neither
+    attribute (it holds its Hugging Face classifier in ``.model``)."""
     while not isinstance(model, nn.Sequential):
         inner = getattr(model, "_orig_mod", None)
         if inner is None:

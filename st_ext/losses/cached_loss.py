@@ -123,7 +123,7 @@ def described(
     )
 
 
-def described_with(loss: Any, calculate: LossFn, frozen: FrozenFn | None = None) -> CachedLoss:
+def described_with(loss: Any, calculate: LossFn, frozen_fn: FrozenFn | None = None) -> CachedLoss:
     """``loss`` described with ``calculate(reps, frozen, labels, *, with_backward)`` as its loss over
     embeddings, which holds no embeddings of its own for a wrapper's ``embedding_map`` to apply to.
 
@@ -146,7 +146,7 @@ def described_with(loss: Any, calculate: LossFn, frozen: FrozenFn | None = None)
 
         return LossStep(lambda layer: loss_fn)
 
-    return described(loss, start, frozen)
+    return described(loss, start, frozen_fn)
 
 
 def from_protocol(loss: Any) -> CachedLoss:

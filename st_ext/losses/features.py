@@ -4,7 +4,8 @@ The layouts (padded and flattened text, per-row images, flattened media with gri
 see docs/every-input.md) follow upstream's ``_create_minibatch`` (sentence-transformers 6.2), so a
 slice holds what upstream's engine would embed for the same rows. :func:`layout_of` reads the few
 counts it needs from the device once per column and batch; cutting afterwards never reads it again.
-A tensor no rule covers raises :class:`UnsliceableFeatureError`: a guessed cut would embed the wrong
+What is not a tensor with rows (strings, numbers, 0-d tensors) is shared by every row; a tensor no rule
+covers raises :class:`UnsliceableFeatureError`: a guessed cut would embed the wrong
 pixels without a sound. Every slice is a copy: a module that edits its input in place (4.x's
 ``Pooling`` zeroes prompt positions in the mask) cannot change what a later pass over the rows sees.
 """
@@ -111,7 +112,7 @@ class ColumnLayout:
 
 def layout_of(features: Features) -> ColumnLayout:
     """The column's :class:`ColumnLayout`, from one device-to-host copy of its text facts (and one of
-    its media counts)."""
+    its media counts, if it has media)."""
     rows = batch_size_of(features)
     offsets: dict[str, np.ndarray] = {ROW: np.arange(rows + 1)}
     if is_flattened(features):

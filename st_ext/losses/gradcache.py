@@ -1,5 +1,7 @@
 """GradCache (https://huggingface.co/papers/2101.06983): batch-sized contrastive losses in mini-batch memory.
 
+A cached loss trades one extra forward pass for memory bounded by the mini-batch:
+
     (1) embed every mini-batch without a graph, keeping the RNG state each one started from;
     (2) compute the loss over all the embeddings and back-propagate it to the embeddings only:
         those gradients are the cache (the loss may chunk itself and back-propagate chunk by chunk);
@@ -274,7 +276,7 @@ def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: 
 
 class _ReplayOnBackward(torch.autograd.Function):
     """The loss's value, whose backward runs step (3): made by an operation (with a ``grad_fn``), as
-    DeepSpeed's ``engine.backward`` requires."""
+    DeepSpeed's ``engine.backward`` requires; the leaf it is made from receives no gradient."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, replay: Callable[[Tensor], None]) -> Tensor:

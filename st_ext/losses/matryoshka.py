@@ -89,15 +89,18 @@ def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
     return with_loss(description, type(wrapper).__name__, over_dimensions)
 
 
-@named_like_upstream(
-    _upstream.MatryoshkaLoss,
+_NOTE = (
     "over a cached loss (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``, "
     "``CachedGISTEmbedLoss``, upstream's or st_ext's; on 5.7+ every loss on upstream's GradCache base such as "
     "``MegaBatchMarginLoss``; ``CrossBatchMemoryLoss`` over a cached ranking loss, whose queue is truncated with "
     "the batch), GradCache runs in this wrapper: peak memory does not grow with the number of dimensions, the "
     "wrapped instance is never modified, and ``n_dims_per_step`` is honoured (4.x's upstream ignores it for "
-    "cached losses). Every other loss runs through upstream's implementation.",
+    "cached losses; GradCache: https://huggingface.co/papers/2101.06983). Every other loss runs through upstream's "
+    "implementation."
 )
+
+
+@named_like_upstream(_upstream.MatryoshkaLoss, _NOTE)
 class MatryoshkaLoss(_upstream.MatryoshkaLoss):
     def __init__(
         self,

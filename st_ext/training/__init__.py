@@ -1,5 +1,6 @@
-"""Training: the trainers (:mod:`.trainer`), their DDP work-arounds (:mod:`.ddp`) and the trainer's
-``frozen_encoders=`` option (:mod:`.frozen_encoders`)."""
+"""Training: the trainers (:mod:`.trainer`), their DDP work-arounds (:mod:`.ddp`), the trainer's
+``frozen_encoders=`` option (:mod:`.frozen_encoders`), the distributed engines' gradient reductions
+(:mod:`.gradient_sync`), and :func:`entries_set`, the one set-and-restore of flags they all use."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ Two DDP settings change what holding means:
   (``expect_autograd_hooks_``) at the end of the first held backward.
 * ``find_unused_parameters=True`` on torch before 2.4: DDP's unused-parameter search ignored what a backward
   inside ``no_sync`` used (pytorch PR #124193), so a parameter used by a held mini-batch and not by the last
-  was never reduced and the ranks' weights parted. There every mini-batch reduces: slower, and correct.
+  was never reduced and the ranks' weights parted. There every mini-batch reduces: slower, and correct, since each reduction averages gradients the ranks
+  already agree on plus the mini-batch's own.
 
 A model compiled with ``torch.compile`` (accelerate compiles the DDP or FSDP2 module itself) is looked
 through: its ``_orig_mod`` is the engine's module.
@@ -41,12 +42,13 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
     """Backward passes inside this context reduce gradients across ranks only if ``sync``.
 
     With ``sync=False`` gradients accumulate on the rank; the first backward with ``sync=True``
-    reduces everything accumulated so far, so a step reduces once whatever its mini-batch count.
+    reduces everything accumulated so far, so a step reduces once whatever its mini-batch count (DDP's
+    exceptions, static graphs and torch < 2.4, are in the module docstring).
     """
     model = compiled_module(model)
     if isinstance(model, DistributedDataParallel):
         if _compat.ddp_static_graph_first_iteration(model):
-            return entries_set(vars(model), {"require_backward_grad_sync": True})
+            return entries_set(vars(model), {"require_backward_grad_sync": True})  # even inside an outer no_sync
         if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
             return nullcontext()
         return model.no_sync()
