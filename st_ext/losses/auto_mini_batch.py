@@ -149,7 +149,7 @@ class AutoMiniBatch:
             # The lever: recomputing activations in the backward pass may let a larger mini-batch fit, and
             # fewer, larger passes can be faster than the recomputation costs.
             with_checkpointing = _Series(
-                model, sentence_features, layouts, rows, budget, device, checkpointing=True, update_bytes=update
+                model, sentence_features, layouts, rows, budget, device, checkpointed=True, update_bytes=update
             )
             with_checkpointing.slope_hint = series.slope()
             larger = with_checkpointing.largest_fitting(plain * 2)
@@ -172,11 +172,11 @@ class _Series:
         budget,
         device,
         *,
-        checkpointing: bool = False,
+        checkpointed: bool = False,
         update_bytes: int = 0,
     ):
         self.model, self.sentence_features, self.layouts = model, sentence_features, layouts
-        self.rows, self.budget, self.device, self.checkpointing = rows, budget, device, checkpointing
+        self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
         self.update_bytes = update_bytes
         self.graphs: dict[int, int] = {}  # measured graph peaks by size
         self.slope_hint: float | None = None
@@ -199,7 +199,7 @@ class _Series:
             rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
             passes = 1 if size >= self.rows else 2
             began = time.perf_counter()
-            with checkpointed(self.model, self.checkpointing):
+            with checkpointed(self.model, self.checkpointed):
                 graph_peak, dim, self.meter = _probe_peak(
                     self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, passes
                 )
@@ -254,7 +254,7 @@ class _Series:
         if size >= self.rows:
             return self.seconds[size]
         passes = -(-self.rows // size)
-        return passes * self.seconds[size] * (1.25 if self.checkpointing else 4 / 3)
+        return passes * self.seconds[size] * (1.25 if self.checkpointed else 4 / 3)
 
 
 def _candidates(limit: int, start: int = 1) -> Iterator[int]:
