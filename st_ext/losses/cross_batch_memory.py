@@ -225,14 +225,15 @@ def ranking_loss_fn(
         candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
         batch_size = len(anchors)
         targets = torch.arange(batch_size, device=anchors.device)
+        anchor_keys = None if keys is None or memory_keys is None else keys.to(anchors.device)
         chunk_losses = []
         for begin, end in tqdm(
             list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
         ):
             scores = loss.similarity_fct(anchors[begin:end], candidates) * loss.scale
-            if keys is not None and memory_keys is not None:
+            if anchor_keys is not None:
                 own_positive = torch.zeros_like(scores, dtype=torch.bool)
-                own_positive[:, len(documents) :] = keys[begin:end, None].to(anchors.device) == memory_keys[None]
+                own_positive[:, len(documents) :] = anchor_keys[begin:end, None] == memory_keys[None]
                 scores = scores.masked_fill(own_positive, -math.inf)
             chunk_loss = F.cross_entropy(scores, targets[begin:end]) * (end - begin) / batch_size
             if with_backward:

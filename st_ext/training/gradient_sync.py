@@ -13,8 +13,8 @@ Two DDP settings change what holding means:
   (``expect_autograd_hooks_``) at the end of the first held backward.
 * ``find_unused_parameters=True`` on torch before 2.4: DDP's unused-parameter search ignored what a backward
   inside ``no_sync`` used (pytorch PR #124193), so a parameter used by a held mini-batch and not by the last
-  was never reduced and the ranks' weights parted. There every mini-batch reduces: slower, and correct, since each reduction averages gradients the ranks
-  already agree on plus the mini-batch's own.
+  was never reduced and the ranks' weights parted. There every mini-batch reduces: slower, and correct, since
+  each reduction averages gradients the ranks already agree on plus the mini-batch's own.
 
 A model compiled with ``torch.compile`` (accelerate compiles the DDP or FSDP2 module itself) is looked
 through: its ``_orig_mod`` is the engine's module.
