@@ -397,21 +397,17 @@ def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layo
     return Sizing(size, None, loss.auto.choice.checkpointing)
 
 
-def validate_mini_batching(mini_batch_size: int | str, mini_batch_num_tokens: int | None) -> None:
+def make_auto_mini_batch(
+    mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
+) -> AutoMiniBatch | None:
+    """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``),
+    after refusing settings no cached loss takes."""
     if mini_batch_size != AUTO and (
         isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size <= 0
     ):
         raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
     if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
         raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
-
-
-def make_auto_mini_batch(
-    mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
-) -> AutoMiniBatch | None:
-    """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``),
-    after refusing settings no cached loss takes."""
-    validate_mini_batching(mini_batch_size, mini_batch_num_tokens)
     if mini_batch_size != AUTO:
         if memory_budget_mb is not None:
             raise ValueError("memory_budget_mb applies to mini_batch_size='auto' only; set mini_batch_size='auto'.")
