@@ -56,11 +56,11 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
             raise TypeError(
                 f"st_ext's replacement of {upstream_class.__name__} does not take upstream's {parameter.name!r}."
             )
-        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-        if parameter.kind is not kind:
-            kind = inspect.Parameter.KEYWORD_ONLY
-        target = positional if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else keyword_only
-        target.append(own_parameters.get(parameter.name, parameter).replace(kind=kind))
+        declared = own_parameters.get(parameter.name, parameter)
+        if parameter.kind is parameter.POSITIONAL_OR_KEYWORD:
+            positional.append(declared.replace(kind=parameter.POSITIONAL_OR_KEYWORD))
+        else:
+            keyword_only.append(declared.replace(kind=parameter.KEYWORD_ONLY))
     placed = {parameter.name for parameter in positional + keyword_only}
     keyword_only += [
         parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY)
