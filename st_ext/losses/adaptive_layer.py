@@ -87,13 +87,12 @@ class LayerStep:
         teacher = F.softmax(all_rows(final) / temperature, dim=-1)
         if AdaptiveLayerRules.detached_teacher:
             teacher = teacher.detach()
-        total = 0
-        for reps in layers:
-            student = F.log_softmax(all_rows(reps) / temperature, dim=-1)
-            total = (
-                total + F.kl_div(student, teacher, reduction="batchmean") * temperature * self.wrapper.kl_div_weight
-            )
-        return total
+        return sum(
+            F.kl_div(F.log_softmax(all_rows(reps) / temperature, dim=-1), teacher, reduction="batchmean")
+            * temperature
+            * self.wrapper.kl_div_weight
+            for reps in layers
+        )
 
 
 def over_layers(description: CachedLoss, wrapper: nn.Module) -> CachedLoss:
