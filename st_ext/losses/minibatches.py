@@ -132,9 +132,9 @@ def can_merge(sentence_features: Sequence[Features], layouts: Sequence[ColumnLay
     if not all(flattened) and not all(layout.right_padded for layout in layouts):
         return False
     for key, value in first.items():
-        values = [features[key] for features in sentence_features]
         if key in BOUNDARY_KEYS or key in MAX_LENGTH_KEYS:
             continue
+        values = [features[key] for features in sentence_features]
         if isinstance(value, Tensor) and key != "prompt_length":
             for other, layout in zip(values, layouts):
                 if not isinstance(other, Tensor) or other.ndim != value.ndim or other.ndim == 0:
