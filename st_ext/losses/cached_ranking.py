@@ -50,7 +50,7 @@ class CachedRankingMixin:
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
         self.memory_budget_mb = memory_budget_mb
-        upstream_hook_overrides(self, self.st_ext_upstream_class)
+        upstream_hook_overrides(self, upstream_class)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
