@@ -35,7 +35,6 @@ from st_ext.losses.cached_loss import (
     Reps,
     as_cached_loss,
     from_protocol,
-    sentence_embedding,
 )
 from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_keys: re-exported for the losses)
     ColumnLayout,
@@ -122,8 +121,8 @@ def embed_minibatches(
     plan: MiniBatchPlan,
     *,
     keep_rng: bool,
+    encoder: Encoder,
     show_progress_bar: bool = False,
-    encoder: Encoder = sentence_embedding,
 ) -> tuple[list[Reps], list[RngState | None]]:
     """Every mini-batch's outputs, split back into columns (``outputs[output][column][mini_batch]``), and
     the RNG state each forward started from, in the caller's gradient mode."""
