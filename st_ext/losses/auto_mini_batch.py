@@ -257,7 +257,7 @@ class _Series:
         return passes * self.seconds[size] * (1.25 if self.checkpointed else 4 / 3)
 
 
-def _candidates(limit: int, start: int = 1) -> Iterator[int]:
+def _candidates(limit: int, start: int) -> Iterator[int]:
     size = start
     while size < limit:
         yield size
@@ -301,7 +301,7 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
 
 
 def _probe_peak(
-    model: nn.Module, features: Features, device: torch.device, passes: int = 2
+    model: nn.Module, features: Features, device: torch.device, passes: int
 ) -> tuple[int | None, int, str]:
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
     memory), the embedding size, and the meter.
