@@ -43,10 +43,6 @@ def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
     return [model(features)["sentence_embedding"]]
 
 
-def _nothing(layers: list, outputs: list[Reps]) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class LossStep:
     """One forward pass of a cached loss.
@@ -59,7 +55,7 @@ class LossStep:
     """
 
     draw: Callable[[Any], LossFn]
-    finish: Callable[[list, list[Reps]], None] = _nothing
+    finish: Callable[[list, list[Reps]], None] = lambda layers, outputs: None
     encoder: Encoder = sentence_embedding
     over_layers: bool = False
 
