@@ -588,8 +588,6 @@ class GISTEmbedLoss(GuidedLoss):
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        # The model's modules may edit its inputs in place (4.x's Pooling zeroes prompt positions of the
-        # mask); a wrapper that calls again with the same features must find them as the collator made them.
         whole_batch = [[(0, batch_size_of(features))] for features in sentence_features]
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
         with inputs_kept(sentence_features):
