@@ -365,7 +365,7 @@ def distance_matrix(
     ``distance(embeddings, ref_emb)`` and read for an ``is_inverted`` attribute.
     Half precision is computed in float32, since ``cdist`` has no half kernel on every device.
     """
-    if callable(distance) and not isinstance(distance, str):
+    if callable(distance):
         return distance(embeddings, ref_emb), bool(getattr(distance, "is_inverted", False))
     if embeddings.dtype in (torch.float16, torch.bfloat16):
         embeddings, ref_emb = embeddings.float(), ref_emb.float()
@@ -382,13 +382,12 @@ def margin_window(type_of_triplets: str, margin: float) -> tuple[float | None, f
     A triplet is kept when ``lower < an - ap <= upper`` (None: unbounded). PML's "hard" is
     ``<= margin`` and ``<= 0``; "semihard" ``> 0`` and ``<= margin``; "easy" ``> margin``.
     """
-    if type_of_triplets == "all":
-        return None, margin
-    if type_of_triplets == "hard":
-        return None, min(margin, 0.0)
-    if type_of_triplets == "semihard":
-        return 0.0, margin
-    return margin, None
+    return {
+        "all": (None, margin),
+        "hard": (None, min(margin, 0.0)),
+        "semihard": (0.0, margin),
+        "easy": (margin, None),
+    }[type_of_triplets]
 
 
 def rank_in_row(pair_row: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, int]:
@@ -509,7 +508,6 @@ def mine_grouped(
 
 
 def _check_embeddings(embeddings, labels: torch.Tensor, name: str, labels_name: str) -> None:
-    """Embeddings must be a 2-D tensor with one row per label."""
     if not isinstance(embeddings, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(embeddings).__name__}.")
     if embeddings.ndim != 2:

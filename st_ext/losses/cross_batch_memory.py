@@ -581,9 +581,10 @@ def load_memories(
                 "trainer to start the memory empty."
             )
         logger.warning(f"{where}: the cross-batch memory starts empty (resume_empty_memory=True).")
-    for name in found.keys() & saved.keys():
+    restored = sorted(found.keys() & saved.keys())
+    for name in restored:
         found[name].load_memory_state(saved[name])
-    return sorted(found.keys() & saved.keys())
+    return restored
 
 
 class CrossBatchMemoryCallback(TrainerCallback):

@@ -109,11 +109,12 @@ def teacher_labels_from_features(
         if is_cross_encoder(teacher):
             texts = [decoded_texts(features, retokenize_with) for features in sentence_features]
             return labels_from_scores(kind, cross_encoder_scores(teacher, texts)).to(device)
-        needed = sentence_features[:1] if kind == EMBEDDINGS else sentence_features
-        embeddings = [embed_frozen(teacher, features, retokenize_with, device) for features in needed]
         if kind == EMBEDDINGS:
-            return embeddings[0]
-        scores = torch.stack([teacher.similarity_pairwise(embeddings[0], other) for other in embeddings[1:]], dim=1)
+            return embed_frozen(teacher, sentence_features[0], retokenize_with, device)
+        query, *candidates = [
+            embed_frozen(teacher, features, retokenize_with, device) for features in sentence_features
+        ]
+        scores = torch.stack([teacher.similarity_pairwise(query, other) for other in candidates], dim=1)
         return labels_from_scores(kind, scores.to(device))
 
 
@@ -298,8 +299,7 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         looked_up = self._rows_from_table([sentence_features])
         if looked_up is not None:
             return looked_up[0]
-        device = features_device(sentence_features[0])
-        with frozen_placement(self.teacher, device, self.offload_teacher):
+        with frozen_placement(self.teacher, features_device(sentence_features[0]), self.offload_teacher):
             return teacher_labels_from_features(self.teacher, self.kind, sentence_features, self.retokenize_with)
 
     def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> TeacherLabels:

@@ -145,9 +145,7 @@ def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
 
 def frozen_placement(encoder: nn.Module, device: str | torch.device | None, offloaded: bool):
     """Where a frozen encoder runs: on ``device`` just for this pass when offloaded, else where it lives."""
-    if not offloaded:
-        return nullcontext()
-    return offload.on_device(encoder, device)
+    return offload.on_device(encoder, device) if offloaded else nullcontext()
 
 
 def text_columns(dataset: Any) -> list[str]:

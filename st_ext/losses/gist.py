@@ -190,12 +190,9 @@ class GuideEmbeddings(KeyedRows):
 # The loss over embeddings
 
 
-def _suppress(scores: Tensor, guide_scores: Tensor, limit: Tensor, keep: Tensor | None = None) -> Tensor:
+def _suppress(scores: Tensor, guide_scores: Tensor, limit: Tensor) -> Tensor:
     """``scores`` with -inf where the guide rates a candidate above the row's limit (a false negative)."""
-    false_negatives = guide_scores > limit
-    if keep is not None:
-        false_negatives &= ~keep
-    return scores.masked_fill(false_negatives, -math.inf)
+    return scores.masked_fill(guide_scores > limit, -math.inf)
 
 
 def gist_loss(
@@ -255,10 +252,10 @@ def gist_loss(
             guide_ap = guide_anchors[begin:end] @ guide_positives.T
             threshold = guide_ap[rows, targets].unsqueeze(1)
             limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
-            own_positive = torch.zeros_like(guide_ap, dtype=torch.bool)
-            own_positive[rows, targets] = True
+            guide_other_positives = guide_ap.clone()
+            guide_other_positives[rows, targets] = -math.inf  # a row's own positive is never suppressed
 
-            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit, keep=own_positive)]
+            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_other_positives, limit)]
             if contrast_anchors:
                 guide_aa = guide_anchors[begin:end] @ guide_anchors.T
                 blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
@@ -591,8 +588,6 @@ class GISTEmbedLoss(GuidedLoss):
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
-        # The model's modules may edit its inputs in place (4.x's Pooling zeroes prompt positions of the
-        # mask); a wrapper that calls again with the same features must find them as the collator made them.
         whole_batch = [[(0, batch_size_of(features))] for features in sentence_features]
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
         with inputs_kept(sentence_features):

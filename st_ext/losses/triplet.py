@@ -124,8 +124,7 @@ def label_masks(distances: Tensor, labels: Tensor, ref_labels: Tensor) -> tuple[
     """``same`` (B×R: the reference has the anchor's label) and ``positive`` (same, and not the
     anchor itself, which is reference ``i`` for anchor ``i``)."""
     same = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-    rows = torch.arange(len(labels), device=distances.device)
-    is_self = rows.unsqueeze(1) == torch.arange(distances.shape[1], device=distances.device).unsqueeze(0)
+    is_self = torch.eye(len(labels), distances.shape[1], dtype=torch.bool, device=distances.device)
     return same, same & ~is_self
 
 

@@ -37,7 +37,7 @@ def _outside_model(module: nn.Module, trained: set[int]):
     """The frozen, partitioned descendants of ``module`` outside the trained parameters, largest first."""
     for child in module.children():
         params = list(child.parameters())
-        if not params or all(id(param) in trained for param in params):
+        if all(id(param) in trained for param in params):
             continue
         if (
             zero3_partitioned(child)
