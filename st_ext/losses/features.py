@@ -207,7 +207,7 @@ def _media_cuts(features: Features, rows: int, offsets: dict[str, np.ndarray]) -
             items = np.arange(rows + 1)
         else:
             continue  # the layout check below names the keys it cannot cut
-        patch_ends = np.concatenate([[0], np.cumsum(host[grid])])
+        patch_ends = _offsets(host[grid])
         offsets[item_axis], offsets[patch_axis] = items, patch_ends[items]
         cuts[patches] = patch_axis
     if per_image:
@@ -249,8 +249,7 @@ def slice_rows(features: Features, begin: int, end: int, layout: ColumnLayout) -
         elif cut == MAX_LENGTH:
             sliced[key] = int(layout.lengths[begin:end].max()) if end > begin else 0
         elif cut == SEQ_IDX:
-            first, last = layout.bounds[begin], layout.bounds[end]
-            sliced[key] = value[..., first:last] - begin
+            sliced[key] = value[..., layout.bounds[begin] : layout.bounds[end]] - begin
         elif cut == TOKEN:
             sliced[key] = value[..., layout.bounds[begin] : layout.bounds[end]].clone()
         else:
@@ -355,9 +354,9 @@ def row_keys(features: Features) -> list[bytes]:
         return keys
     layout = layout_of(features)
     for key in media:
-        offsets = layout.offsets[layout.cuts[key]] if layout.cuts[key] != SHARED else None
-        if offsets is None:
+        if layout.cuts[key] == SHARED:
             continue
+        offsets = layout.offsets[layout.cuts[key]]
         values = features[key].detach().cpu().contiguous()
         raw = values.reshape(values.shape[0], -1).view(torch.uint8).numpy() if values.numel() else None
         for row in range(layout.rows):
@@ -377,11 +376,7 @@ def to_padded(features: Features, pad_token_id: int = 0) -> Features:
     input_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_token_id)
     lengths = torch.tensor([len(ids) for ids in rows])
     attention_mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.int64)
-    padded = {
-        key: value
-        for key, value in features.items()
-        if key not in FLATTENED_ONLY_KEYS and not (isinstance(value, Tensor) and key == "input_ids")
-    }
+    padded = {key: value for key, value in features.items() if key not in (*FLATTENED_ONLY_KEYS, "input_ids")}
     padded["input_ids"] = input_ids.to(device=device, dtype=features["input_ids"].dtype)
     padded["attention_mask"] = attention_mask.to(device)
     return padded
