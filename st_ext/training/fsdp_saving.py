@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import torch
@@ -42,14 +43,10 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for hooks, order, removed in held:
-            present = dict(hooks)
+            merged = {**hooks, **removed}  # hooks added inside the block follow the original order
             hooks.clear()
-            for hook_id in order:
-                if hook_id in removed:
-                    hooks[hook_id] = removed[hook_id]
-                elif hook_id in present:
-                    hooks[hook_id] = present[hook_id]
-            hooks.update((hook_id, hook) for hook_id, hook in present.items() if hook_id not in hooks)
+            hooks.update((hook_id, merged.pop(hook_id)) for hook_id in order if hook_id in merged)
+            hooks.update(merged)
 
 
 #: Wrappers' own names in a module path, which ``get_model_state_dict`` leaves out of its keys:
@@ -99,8 +96,5 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
             store[name] = tensor.to(device) if device is not None else tensor
         yield
     finally:
-        for places in slots.values():
-            for store, name, tensor in places:
-                store[name] = tensor
-        for store, name, tensor in unsaved:
+        for store, name, tensor in chain(*slots.values(), unsaved):
             store[name] = tensor
