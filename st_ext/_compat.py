@@ -255,13 +255,13 @@ def compiled_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def fsdp2_module_class() -> type | None:
-    """PyTorch's ``FSDPModule`` (what ``fully_shard`` turns a module into, FSDP2), or None on a torch without it."""
+def is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` turned ``module`` into an ``FSDPModule`` (FSDP2); False on a torch without it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return None
-    return FSDPModule
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
