@@ -54,10 +54,6 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
-def _state_dict_key(path: str) -> str:
-    return ".".join(part for part in path.split(".") if part not in _WRAPPER_NAMES)
-
-
 @contextmanager
 def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Inside the block, ``model``'s parameters and buffers are the whole tensors of ``state_dict`` (as
@@ -69,7 +65,7 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     """
     slots, unsaved = {}, []
     for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
+        prefix = "".join(f"{part}." for part in module_name.split(".") if part and part not in _WRAPPER_NAMES)
         buffers = own_buffers(module)
         for store in (own_parameters(module), buffers):
             for name, tensor in store.items():
@@ -78,7 +74,7 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
                 if store is buffers and name in non_persistent_buffer_names(module):
                     unsaved.append((store, name, tensor))
                 else:
-                    slots.setdefault(_state_dict_key(prefix + name), []).append((store, name, tensor))
+                    slots.setdefault(prefix + name, []).append((store, name, tensor))
     missing = sorted(set(slots) - set(state_dict))
     if missing:
         raise ValueError(
