@@ -35,14 +35,13 @@ MAX_ST_VERSION = Version("6.2.0")
 
 def check_supported_version(version: str | Version) -> None:
     """Raise an ImportError saying how to fix it unless sentence-transformers ``version`` is supported."""
-    if SpecifierSet(ST_REQUIREMENT).contains(Version(str(version)), prereleases=True):
-        return
-    raise ImportError(
-        f"st_ext supports sentence-transformers {MIN_ST_VERSION} … {MAX_ST_VERSION} "
-        f"('sentence-transformers{ST_REQUIREMENT}'), but sentence-transformers {version} is installed. "
-        f"Install a supported release with: pip install 'sentence-transformers{ST_REQUIREMENT}'",
-        name="sentence_transformers",
-    )
+    if not SpecifierSet(ST_REQUIREMENT).contains(Version(str(version)), prereleases=True):
+        raise ImportError(
+            f"st_ext supports sentence-transformers {MIN_ST_VERSION} … {MAX_ST_VERSION} "
+            f"('sentence-transformers{ST_REQUIREMENT}'), but sentence-transformers {version} is installed. "
+            f"Install a supported release with: pip install 'sentence-transformers{ST_REQUIREMENT}'",
+            name="sentence_transformers",
+        )
 
 
 check_supported_version(ST_VERSION)
@@ -118,9 +117,7 @@ def embedding_dimension(model: nn.Module) -> int | None:
 
 
 def _hf_name(name: str) -> str:
-    """``name`` (``checkpointing_enable``…) as the installed transformers prefers to spell it: its
-    ``activation_checkpointing_enable``/``_disable``/``_kwargs`` and ``is_activation_checkpointing``, or the
-    ``gradient_`` names before them."""
+    """``name`` (``checkpointing_enable``…) as the installed transformers prefers to spell it."""
     return ("activation_" if HF_HAS_ACTIVATION_CHECKPOINTING else "gradient_") + name
 
 
@@ -160,13 +157,12 @@ def is_gradient_caching(loss: Any) -> bool:
     """
     if getattr(loss, "uses_gradient_cache", False):
         return True
-    namespace = st_losses()
     names = (
         "CachedMultipleNegativesRankingLoss",
         "CachedMultipleNegativesSymmetricRankingLoss",
         "CachedGISTEmbedLoss",
     )
-    if isinstance(loss, tuple(getattr(namespace, name) for name in names if hasattr(namespace, name))):
+    if isinstance(loss, tuple(filter(None, map(upstream_loss_class, names)))):
         return True
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
@@ -255,13 +251,13 @@ def compiled_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def fsdp2_module_class() -> type | None:
-    """PyTorch's ``FSDPModule`` (what ``fully_shard`` turns a module into, FSDP2), or None on a torch without it."""
+def is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` turned ``module`` into an ``FSDPModule`` (FSDP2); False on a torch without it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return None
-    return FSDPModule
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:

@@ -113,8 +113,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(settings, dict):
         raise ConfigError(f"config: {path} must hold a mapping of settings, not a {type(settings).__name__}.")
     settings = {str(key).replace("-", "_"): value for key, value in settings.items()}
-    own, trainer = set(TrainConfig.field_names()), set(trainer_field_names())
-    unknown = sorted(set(settings) - own - trainer - set(ALIASES))
+    unknown = sorted(set(settings) - {*TrainConfig.field_names(), *trainer_field_names(), *ALIASES})
     if unknown:
         raise ConfigError(
             f"config: unknown setting(s) {', '.join(unknown)}; known: {', '.join(TrainConfig.field_names())}, "

@@ -82,7 +82,8 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
         label = path.name
     else:
         dataset, label = load_dataset_from_hub(name), name
-    missing = [column for column in columns.source() if column not in dataset.column_names]
+    source = columns.source()
+    missing = [column for column in source if column not in dataset.column_names]
     if missing:
         raise ConfigError(
             f"{setting}: column(s) {', '.join(missing)} not in {label} (it has: {', '.join(dataset.column_names) or 'none'}); "
@@ -90,8 +91,8 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
         )
     rows, skipped = [], 0
     names = columns.training()
-    for number, values in enumerate(zip(*(dataset[column] for column in columns.source())), start=1):
-        for column, value in zip(columns.source(), values):
+    for number, values in enumerate(zip(*(dataset[column] for column in source)), start=1):
+        for column, value in zip(source, values):
             if value is not None and not isinstance(value, str):
                 raise ConfigError(
                     f"{setting}: {label} row {number}: column {column!r} holds {type(value).__name__} {value!r:.60}, "
@@ -102,9 +103,7 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
         else:
             skipped += 1
     if not rows:
-        raise ConfigError(
-            f"{setting}: {label} has no rows with all of {', '.join(map(repr, columns.source()))} filled."
-        )
+        raise ConfigError(f"{setting}: {label} has no rows with all of {', '.join(map(repr, source))} filled.")
     return Rows(rows, skipped)
 
 

@@ -59,11 +59,6 @@ def format_table(before: dict[int, dict[str, float]], after: dict[int, dict[str,
     width = 16 if after else 9
     lines = [f"{'dim':>5} | " + " ".join(f"{m:>{width}}" for m in METRICS)]
     for dim in sorted(before, reverse=True):
-        cells = []
-        for metric in METRICS:
-            cell = f"{before[dim][metric]:.3f}"
-            if after:
-                cell += f" -> {after[dim][metric]:.3f}"
-            cells.append(f"{cell:>{width}}")
-        lines.append(f"{dim:>5} | " + " ".join(cells))
+        cells = (f"{before[dim][m]:.3f}" + (f" -> {after[dim][m]:.3f}" if after else "") for m in METRICS)
+        lines.append(f"{dim:>5} | " + " ".join(f"{cell:>{width}}" for cell in cells))
     return "\n".join(lines)

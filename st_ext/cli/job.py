@@ -558,15 +558,14 @@ def _publish_results(output_dir: Path, model, before, after, recorder, reference
             "memory_plot": plot_memory(staging / "memory_per_step.png", recorder.rows, reference, loss),
             "metric_plot": plot_metric_by_dim(staging / "ndcg_by_dim.png", before, after),
         }
-    except OSError as error:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(error, OSError):
+            raise
         raise ConfigError(
             f"output_dir: writing the results failed ({error.strerror or error}); the trained model is lost and the "
             f"earlier results in {output_dir} are unchanged. Free space (or restore access) and run again."
         ) from error
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     publishing.publish(staging, output_dir)
     return {name: output_dir / path.name for name, path in written.items()}
 

@@ -125,13 +125,12 @@ def plot_memory(path: Path, rows: list[dict], reference, loss: str) -> Path:
         marker="o",
         label=f"{loss} (trained{', cached' if reference is not None else ''}), each step's batch",
     )
+    label = f"no uncached reference: {loss} does not cache" if reference is None else reference.label()
     if reference is not None and reference.peak_mib is not None:
-        axes.axhline(reference.peak_mib, linestyle="--", color="tab:red", label=reference.label())
+        axes.axhline(reference.peak_mib, linestyle="--", color="tab:red", label=label)
         tops.append(reference.peak_mib)
-    elif reference is not None:  # out of memory: no line, but the legend says so
-        axes.plot([], [], linestyle="--", color="tab:red", label=reference.label())
-    else:
-        axes.plot([], [], linestyle="--", color="tab:red", label=f"no uncached reference: {loss} does not cache")
+    else:  # no reference, or out of memory: no line, but the legend says so
+        axes.plot([], [], linestyle="--", color="tab:red", label=label)
     axes.set_ylim(0, max(tops, default=1.0) * 1.15 or 1.0)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")

@@ -56,13 +56,11 @@ def refuse_if_trainable(
     optimized_ids = {id(param) for group in groups for param in group["params"]}
     requiring_grad = [name for name, param in module.named_parameters() if param.requires_grad]
     in_optimizer = [name for name, param in module.named_parameters() if id(param) in optimized_ids]
-    reasons = []
-    if requiring_grad:
-        reasons.append(f"{len(requiring_grad)} parameters require grad (e.g. {first_names(requiring_grad)})")
-    if in_optimizer:
-        reasons.append(
-            f"{len(in_optimizer)} parameters are in an optimizer you passed (e.g. {first_names(in_optimizer)})"
-        )
+    reasons = [
+        f"{len(names)} parameters {what} (e.g. {first_names(names)})"
+        for names, what in ((requiring_grad, "require grad"), (in_optimizer, "are in an optimizer you passed"))
+        if names
+    ]
     if reasons:
         raise TrainableModuleError(
             f"Refusing to {action} {describe_module(module)}: it is being trained: {'; '.join(reasons)}. "

@@ -81,8 +81,7 @@ def leftovers(target: nn.Module | ReleaseRecord | ReleaseReport) -> LeftoverRepo
                         held_by=[record.description],
                     )
                 )
-    if alive:
-        _trace_holders(alive, found)
+    _trace_holders(alive, found)
     return LeftoverReport(
         description=record.description,
         tensor_count=len(record.tracked),
@@ -231,10 +230,8 @@ def _step(referrer: Any, child: Any) -> tuple[str | None, Any]:
     ``referrer`` names the holder well enough)."""
     if isinstance(referrer, types.CellType):
         return _closure_step(referrer)
-    if isinstance(referrer, (dict, tuple)):
-        default = _default_argument_step(referrer, child)
-        if default is not None:
-            return default
+    if isinstance(referrer, (dict, tuple)) and (default := _default_argument_step(referrer, child)):
+        return default
     if isinstance(referrer, (dict, list, tuple)):
         return _container_step(referrer, child)
     if isinstance(referrer, (types.FunctionType, types.MethodType)):
@@ -302,10 +299,5 @@ def _render_path(labels_inner_first: list[str]) -> str:
     """Edge labels joined from the outermost owner down; ``Loss._parameters['weight']`` reads ``Loss.weight``."""
     text = ""
     for label in reversed(labels_inner_first):
-        if not text:
-            text = label
-        elif label.startswith("["):
-            text += label
-        else:
-            text += " -> " + label
+        text += label if not text or label.startswith("[") else " -> " + label
     return re.sub(r"\._(?:parameters|buffers|modules)\[(['\"])(.+?)\1\]", r".\2", text)

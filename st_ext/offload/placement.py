@@ -127,7 +127,7 @@ def _move_one(tensor, device, is_parameter, registry, name, moved) -> torch.Tens
     if copy is data:
         return tensor
     if is_parameter and can_swap_parameter_data(tensor, copy):
-        _swap_parameter_data(tensor, copy, device)
+        _swap_parameter_data(tensor, copy)
         moved.append(_MovedTensor(registry, name, data, object_replaced=False))
         return tensor
     registry[name] = nn.Parameter(copy, requires_grad=tensor.requires_grad) if is_parameter else copy
@@ -145,17 +145,15 @@ def _put_back_originals(moved: list[_MovedTensor], *, copy_back: bool) -> None:
         if entry.object_replaced:
             entry.registry[entry.name] = entry.original
         else:
-            _swap_parameter_data(current, entry.original, entry.original.device)
+            _swap_parameter_data(current, entry.original)
 
 
-def _swap_parameter_data(param: torch.Tensor, data: torch.Tensor, device: torch.device) -> None:
+def _swap_parameter_data(param: torch.Tensor, data: torch.Tensor) -> None:
     """Point ``param`` at ``data``; a gradient follows it, since it must live on the same device."""
-    grad = param.grad
-    if grad is not None:
-        param.grad = None
+    grad, param.grad = param.grad, None
     param.data = data
     if grad is not None:
-        param.grad = grad.to(device)
+        param.grad = grad.to(data.device)
 
 
 # --------------------------------------------------------------------------- accelerate hooks

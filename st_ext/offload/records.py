@@ -69,9 +69,8 @@ def describe_module(module: nn.Module) -> str:
     return f"{type(module).__name__}({path!r})" if path else type(module).__name__
 
 
-def first_names(names: Sequence[str], count: int = 3) -> str:
-    shown = ", ".join(repr(name) for name in names[:count])
-    return shown + (", ..." if len(names) > count else "")
+def first_names(names: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 @dataclass

@@ -88,13 +88,12 @@ def _clear_holder_references(holders: Iterable[Any], module: nn.Module) -> list[
         if id(holder) in family:
             continue
         if isinstance(holder, MutableMapping):
-            registries = [(holder, "{}[{!r}]")]
+            registries, label = [holder], "{}[{!r}]"
         else:
-            registries = [(getattr(holder, "__dict__", {}), "{}.{}")]
+            registries, label = [getattr(holder, "__dict__", {})], "{}.{}"
             if isinstance(holder, nn.Module):
-                modules_entries = (own_submodules(holder), own_parameters(holder), own_buffers(holder))
-                registries = [(entries, "{}.{}") for entries in modules_entries] + registries
-        for registry, label in registries:
+                registries = [own_submodules(holder), own_parameters(holder), own_buffers(holder), *registries]
+        for registry in registries:
             for key, value in list(registry.items()):
                 if id(value) in family or id(getattr(value, "__self__", None)) in family:
                     registry[key] = None

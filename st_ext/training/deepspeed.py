@@ -60,9 +60,7 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
 
 def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:
     version = deepspeed_version()
-    if version is None or version >= DEEPSPEED_HOLDS_REDUCTION:
-        return
-    if stage == 1 and not overlap_comm:
+    if version is None or version >= DEEPSPEED_HOLDS_REDUCTION or (stage == 1 and not overlap_comm):
         return
     setting = f"ZeRO stage {stage}" + (" with overlap_comm" if stage == 1 else "")
     raise ValueError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import torch
@@ -42,23 +43,15 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for hooks, order, removed in held:
-            present = dict(hooks)
+            merged = {**hooks, **removed}  # hooks added inside the block follow the original order
             hooks.clear()
-            for hook_id in order:
-                if hook_id in removed:
-                    hooks[hook_id] = removed[hook_id]
-                elif hook_id in present:
-                    hooks[hook_id] = present[hook_id]
-            hooks.update((hook_id, hook) for hook_id, hook in present.items() if hook_id not in hooks)
+            hooks.update((hook_id, merged.pop(hook_id)) for hook_id in order if hook_id in merged)
+            hooks.update(merged)
 
 
 #: Wrappers' own names in a module path, which ``get_model_state_dict`` leaves out of its keys:
 #: activation checkpointing's wrapper (accelerate's ``fsdp_activation_checkpointing``) and ``torch.compile``'s.
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
-
-
-def _state_dict_key(path: str) -> str:
-    return ".".join(part for part in path.split(".") if part not in _WRAPPER_NAMES)
 
 
 @contextmanager
@@ -72,7 +65,7 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     """
     slots, unsaved = {}, []
     for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
+        prefix = "".join(f"{part}." for part in module_name.split(".") if part and part not in _WRAPPER_NAMES)
         buffers = own_buffers(module)
         for store in (own_parameters(module), buffers):
             for name, tensor in store.items():
@@ -81,7 +74,7 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
                 if store is buffers and name in non_persistent_buffer_names(module):
                     unsaved.append((store, name, tensor))
                 else:
-                    slots.setdefault(_state_dict_key(prefix + name), []).append((store, name, tensor))
+                    slots.setdefault(prefix + name, []).append((store, name, tensor))
     missing = sorted(set(slots) - set(state_dict))
     if missing:
         raise ValueError(
@@ -99,8 +92,5 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
             store[name] = tensor.to(device) if device is not None else tensor
         yield
     finally:
-        for places in slots.values():
-            for store, name, tensor in places:
-                store[name] = tensor
-        for store, name, tensor in unsaved:
+        for store, name, tensor in chain(*slots.values(), unsaved):
             store[name] = tensor

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from st_ext import _compat
-from st_ext._compat import compiled_module, fsdp2_module_class
+from st_ext._compat import compiled_module, is_fsdp2_module
 from st_ext.training import entries_set
 
 #: The parameter attribute DeepSpeed ZeRO (0.17 and later) reads before queueing a gradient for
@@ -52,8 +52,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
         if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
             return nullcontext()
         return model.no_sync()
-    fsdp_module = fsdp2_module_class()
-    if fsdp_module is not None and isinstance(model, fsdp_module):
+    if is_fsdp2_module(model):
         return _fsdp2_gradient_sync(model, sync)
     if "deepspeed" in sys.modules:  # imported only by a process that trains with it (the Trainer imports it lazily)
         return _deepspeed_gradient_sync(model, sync)
@@ -77,8 +76,7 @@ def parameters_sharded(model: nn.Module) -> bool:
 
 def sharded_by_fsdp2(model: nn.Module) -> bool:
     """Whether ``fully_shard`` sharded ``model`` or any of its submodules."""
-    fsdp_module = fsdp2_module_class()
-    return fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
+    return any(is_fsdp2_module(module) for module in model.modules())
 
 
 def zero3_partitioned(module: nn.Module) -> bool:
@@ -107,13 +105,10 @@ def _stays_gathered_after_forward(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 module that keeps its parameters gathered after forward and reshards them
     after backward. FSDP2 has setters for both, no getters, so this reads its parameter group; where a torch
     release lacks it, the answer is False and the module reshards after every backward, as FSDP2 does."""
-    fsdp_module = fsdp2_module_class()
-    if fsdp_module is None or not isinstance(module, fsdp_module):
+    if not is_fsdp2_module(module):
         return False
     group = _compat.fsdp2_parameter_group(module)
-    if group is None or not hasattr(group, "post_forward_mesh_info"):
-        return False
-    return group.post_forward_mesh_info is None and getattr(group, "reshard_after_backward", False)
+    return getattr(group, "post_forward_mesh_info", False) is None and getattr(group, "reshard_after_backward", False)
 
 
 @contextmanager

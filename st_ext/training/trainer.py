@@ -134,9 +134,9 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         )
         # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
         built = isinstance(loss, (nn.Module, dict))
-        if built:  # before an encoder ZeRO-3 partitioned runs for "precompute"
-            serve_partitioned_encoders(loss, model)
-        reports = switch(loss, device=getattr(model, "device", None)) if built else []
+        if built:
+            serve_partitioned_encoders(loss, model)  # before an encoder ZeRO-3 partitioned runs for "precompute"
+            reports = switch(loss, device=getattr(model, "device", None))
         super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
         if not built:  # a loss factory, built by upstream's __init__ just now
             reports = switch(self.loss, device=self.model.device)
