@@ -8,6 +8,7 @@ instead of comparing versions, probing upstream classes for features or reaching
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -251,13 +252,19 @@ def compiled_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_fsdp2_module(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` turned ``module`` into an ``FSDPModule`` (FSDP2); False on a torch without it."""
+@functools.cache
+def _fsdp2_module_class() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return False
-    return isinstance(module, FSDPModule)
+        return None
+    return FSDPModule
+
+
+def is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` turned ``module`` into an ``FSDPModule`` (FSDP2); False on a torch without it."""
+    fsdp_module = _fsdp2_module_class()
+    return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:

@@ -252,10 +252,9 @@ def gist_loss(
             guide_ap = guide_anchors[begin:end] @ guide_positives.T
             threshold = guide_ap[rows, targets].unsqueeze(1)
             limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
-            guide_other_positives = guide_ap.clone()
-            guide_other_positives[rows, targets] = -math.inf  # a row's own positive is never suppressed
+            guide_ap[rows, targets] = -math.inf  # a row's own positive is never suppressed (threshold is a copy)
 
-            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_other_positives, limit)]
+            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit)]
             if contrast_anchors:
                 guide_aa = guide_anchors[begin:end] @ guide_anchors.T
                 blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
