@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -100,25 +101,15 @@ def test_published_results_get_the_users_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "metrics.json").stat().st_mode) == 0o644
 
 
-def test_a_full_disk_leaves_the_earlier_run_whole(tiny_bert_dir, tmp_path, monkeypatch, capsys):
-    """The model and metrics are written, then a plot hits a full disk: the output directory keeps the
-    earlier run, not the new model beside the old plot, and the error is one line."""
-    from st_ext.cli import job
-
-    output = tmp_path / "run"
-    write_run(output, "old")
+def train_into(model_dir, output) -> int:
+    """One short ``st-ext train`` run of the tiny model into ``output``, with the user's usual umask."""
     previous = os.umask(0o022)
-
-    def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(job, "plot_metric_by_dim", disk_full)
     try:
-        code = main(
+        return main(
             [
                 "train",
                 "--model",
-                str(tiny_bert_dir),
+                str(model_dir),
                 "--max-steps",
                 "1",
                 "--batch-size",
@@ -136,7 +127,46 @@ def test_a_full_disk_leaves_the_earlier_run_whole(tiny_bert_dir, tmp_path, monke
         )
     finally:
         os.umask(previous)
-    assert code == EXIT_BAD_INPUT
+
+
+def test_a_full_disk_leaves_the_earlier_run_whole(tiny_bert_dir, tmp_path, monkeypatch, capsys):
+    """The model and metrics are written, then a plot hits a full disk: the output directory keeps the
+    earlier run, not the new model beside the old plot, and the error is one line."""
+    from st_ext.cli import job
+
+    output = tmp_path / "run"
+    write_run(output, "old")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(job, "plot_metric_by_dim", disk_full)
+    assert train_into(tiny_bert_dir, output) == EXIT_BAD_INPUT
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "unchanged" in errors[0], errors
+    assert run_contents(output) == {"old"} and visible(output) == sorted(RESULTS)
+
+
+def test_a_full_disk_while_safetensors_writes_the_model_is_one_line(tiny_bert_dir, tmp_path, monkeypatch, capsys):
+    """safetensors reports a failed write as its own error type, not an OSError (the message is the one it gives
+    when a tmpfs fills up under it). The error is one line that names the folder and the space the weights need,
+    and the earlier run stays whole."""
+    from safetensors import SafetensorError
+
+    from st_ext.cli import job
+
+    output = tmp_path / "run"
+    write_run(output, "old")
+
+    def disk_full(self, path, *args, **kwargs):
+        Path(path).mkdir(parents=True)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(job.SentenceTransformer, "save", disk_full)
+    assert train_into(tiny_bert_dir, output) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"writing the results to {output} failed" in errors[0], errors
+    assert "No space left on device" in errors[0] and "weights alone need" in errors[0], errors
     assert run_contents(output) == {"old"} and visible(output) == sorted(RESULTS)

@@ -23,6 +23,7 @@ import sentence_transformers
 import torch
 import transformers
 from datasets import Dataset
+from safetensors import SafetensorError
 from sentence_transformers.evaluation import SequentialEvaluator
 
 from st_ext import SentenceTransformer, __version__
@@ -560,14 +561,27 @@ def _publish_results(output_dir: Path, model, before, after, recorder, reference
         }
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        if not isinstance(error, OSError):
+        # safetensors reports a failed write (a full disk) as its own error type, not as an OSError.
+        if not isinstance(error, (OSError, SafetensorError)):
             raise
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else _one_line(str(error))
         raise ConfigError(
-            f"output_dir: writing the results failed ({error.strerror or error}); the trained model is lost and the "
-            f"earlier results in {output_dir} are unchanged. Free space (or restore access) and run again."
+            f"output_dir: writing the results to {output_dir} failed ({reason}); the model's weights alone need "
+            f"{_weights_mib(model):.0f} MiB and {shutil.disk_usage(output_dir).free / 2**20:.0f} MiB are free there. "
+            f"The trained model is lost and the earlier results in {output_dir} are unchanged. Free space (or restore "
+            "access) and run again."
         ) from error
     publishing.publish(staging, output_dir)
     return {name: output_dir / path.name for name, path in written.items()}
+
+
+def _weights_mib(model) -> float:
+    """The size of ``model``'s parameters and buffers as saved, in MiB."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values()) / 2**20
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
