@@ -9,10 +9,13 @@ given as traced and with each repeat of a cycle counted once (the path's shape, 
 
     python tools/trace_features_path.py                      # this checkout
     PYTHONPATH=/path/to/old/checkout python tools/trace_features_path.py
+    python tools/trace_features_path.py --every-call         # every call into st_ext, features or not
+    python tools/trace_features_path.py --upstream           # upstream's own classes, calls into its loss modules
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -30,8 +33,9 @@ POSITIVES = ["a cat on the mat", "the dog ran", "a bird flew in a tree", "the ca
 
 
 def tiny_model(path: Path):
+    from sentence_transformers.models import Pooling, Transformer
+
     from st_ext import SentenceTransformer
-    from st_ext.models import Pooling, Transformer
 
     torch.manual_seed(0)
     config = BertConfig(
@@ -52,17 +56,20 @@ def holds_features(value) -> bool:
     return isinstance(value, (list, tuple)) and any(holds_features(item) for item in value)
 
 
-def traced_modules(step) -> list[str]:
-    """The st_ext module of every call that receives features as an argument, in call order."""
-    package_root = str(Path(sys.modules["st_ext"].__file__).parent)
+def traced_modules(step, package_root: str, every_call: bool, module_part: str = "") -> list[str]:
+    """The module of every call into ``package_root`` (whose module name holds ``module_part``) that receives
+    features as an argument, or of every call with ``every_call``, in call order."""
     modules: list[str] = []
 
     def profile(frame, event, _arg):
         if event != "call" or not frame.f_code.co_filename.startswith(package_root):
             return
+        module = frame.f_globals.get("__name__", "?")
+        if module_part not in module:
+            return
         arguments = frame.f_code.co_varnames[: frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
-        if any(holds_features(frame.f_locals.get(name)) for name in arguments):
-            modules.append(frame.f_globals.get("__name__", "?"))
+        if every_call or any(holds_features(frame.f_locals.get(name)) for name in arguments):
+            modules.append(module)
 
     sys.setprofile(profile)
     try:
@@ -94,7 +101,22 @@ def returns(stays: list[str]) -> int:
 
 
 def main() -> None:
-    from st_ext import losses
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--every-call", action="store_true", help="trace every call, not only those given features")
+    parser.add_argument(
+        "--upstream", action="store_true", help="run upstream's classes and trace calls into its loss modules"
+    )
+    options = parser.parse_args()
+    if options.upstream:
+        import sentence_transformers as traced_package
+        from sentence_transformers import losses
+
+        module_part = ".losses"
+    else:
+        import st_ext as traced_package
+        from st_ext import losses
+
+        module_part = ""
 
     with tempfile.TemporaryDirectory() as directory:
         model = tiny_model(Path(directory))
@@ -107,16 +129,18 @@ def main() -> None:
         loss(features, None).backward()
 
     step()  # imports and first-call set-up stay out of the trace
+    package_root = str(Path(traced_package.__file__).parent)
     stays = []
-    for module in traced_modules(step):
+    for module in traced_modules(step, package_root, options.every_call or options.upstream, module_part):
         if not stays or stays[-1] != module:
             stays.append(module)
     shape = without_repeats(stays)
-    print(f"st_ext at {Path(sys.modules['st_ext'].__file__).parent}")
+    prefix = traced_package.__name__ + "."
+    print(f"{traced_package.__name__} at {package_root}")
     print(f"modules visited: {len(set(stays))}")
     print(f"as traced: {len(stays)} stays, {returns(stays)} returns to a module already left")
     print(f"each repeated cycle once: {len(shape)} stays, {returns(shape)} returns")
-    print("path: " + " -> ".join(module.removeprefix("st_ext.") for module in shape))
+    print("path: " + " -> ".join(module.removeprefix(prefix) for module in shape))
 
 
 if __name__ == "__main__":
