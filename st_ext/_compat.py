@@ -12,8 +12,8 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -386,14 +386,15 @@ def state_dict_key_prefix(module_name: str) -> str:
 DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
 
 
-def deepspeed_gradients_ready(parameters: Iterable[Tensor], ready: bool) -> AbstractContextManager[None]:
+@contextmanager
+def deepspeed_gradients_ready(parameters: Iterable[Tensor], ready: bool) -> Iterator[None]:
     """Inside the block, DeepSpeed ZeRO queues the gradients of ``parameters`` for reduction only if ``ready``;
     otherwise they accumulate in ``.grad``. Sets the attribute ``ds_grad_is_ready`` that ZeRO's gradient hooks
     read on each parameter (DeepSpeed 0.17 on, :data:`DEEPSPEED_HOLDS_REDUCTION`; older releases ignore it)."""
-    stack = ExitStack()
-    for param in parameters:
-        stack.enter_context(entries_set(vars(param), {"ds_grad_is_ready": ready}))
-    return stack
+    with ExitStack() as stack:
+        for param in parameters:
+            stack.enter_context(entries_set(vars(param), {"ds_grad_is_ready": ready}))
+        yield
 
 
 def partitioned_by_deepspeed(param: Tensor) -> bool:
