@@ -12,8 +12,8 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +25,8 @@ import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import Tensor, nn
+
+from st_ext.scoped_entries import entries_set
 
 ST_VERSION = Version(sentence_transformers.__version__)
 
@@ -267,6 +269,12 @@ def is_fsdp2_module(module: nn.Module) -> bool:
     return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
+def defined_in(value: Any, module: ModuleType) -> bool:
+    """Whether ``value`` (a class or function) was defined in ``module`` rather than imported into it: Python
+    records the defining module's name in ``__module__``, the only trace of it for a module without ``__all__``."""
+    return getattr(value, "__module__", None) == module.__name__
+
+
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
     """sentence-transformers' differentiable all-gather, or None where the installed release lacks it."""
     return getattr(st_util, "all_gather_with_grad", None)
@@ -331,13 +339,84 @@ def ddp_static_graph_first_iteration(model: Any) -> bool:
     return getattr(model, "static_graph", False) and not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
-def fsdp2_parameter_group(module: Any) -> Any:
-    """FSDP2's parameter group of a ``fully_shard`` module, where the torch release has one."""
-    return getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+def ddp_reduces_in_backward(model: Any) -> AbstractContextManager[None]:
+    """Inside the block, DDP ``model``'s backward passes reduce gradients even inside an outer ``no_sync``: sets
+    ``require_backward_grad_sync``, the flag ``DistributedDataParallel.no_sync`` clears (torch 2.x)."""
+    return entries_set(vars(model), {"require_backward_grad_sync": True})
+
+
+def ddp_skips_forward_buffer_broadcast(model: Any) -> AbstractContextManager[None]:
+    """Inside the block, DDP ``model``'s forward passes skip the buffer broadcast that precedes them: clears
+    ``require_forward_param_sync``, the flag ``DistributedDataParallel.forward`` reads (torch 2.x)."""
+    return entries_set(vars(model), {"require_forward_param_sync": False})
+
+
+def fsdp2_resharded_after_backward_only(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 module that keeps its parameters gathered after forward
+    (``reshard_after_forward=False``) and reshards them after backward. FSDP2 has setters for both and no
+    getters, so this reads its private parameter group's ``post_forward_mesh_info`` (None when it keeps them)
+    and ``reshard_after_backward`` (torch 2.x FSDP2, as of 2.13); where a torch release lacks them, the answer
+    is False."""
+    if not is_fsdp2_module(module):
+        return False
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    return getattr(group, "post_forward_mesh_info", False) is None and getattr(group, "reshard_after_backward", False)
+
+
+def is_fsdp2_hook(hook: Any) -> bool:
+    """Whether FSDP2 registered module hook ``hook``: FSDP2 has no registry of its hooks, so this reads where the
+    function (or the ``functools.partial``'s) is defined, ``torch.distributed.fsdp`` (torch 2.x, as of 2.13)."""
+    function = getattr(hook, "func", hook)
+    return (getattr(function, "__module__", None) or "").startswith("torch.distributed.fsdp")
+
+
+#: The attributes by which wrappers hold the module they wrap: activation checkpointing's (torch's
+#: ``checkpoint_wrapper``, which accelerate's ``fsdp_activation_checkpointing`` applies) and ``torch.compile``'s.
+_WRAPPED_MODULE_ATTRIBUTES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def state_dict_key_prefix(module_name: str) -> str:
+    """The prefix of the keys under which ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (and
+    ``state_dict()``) name the tensors of the submodule ``module_name`` (as ``named_modules`` names it): its path
+    without the wrappers' own attributes, which both leave out (torch 2.x, as of 2.13)."""
+    return "".join(f"{part}." for part in module_name.split(".") if part and part not in _WRAPPED_MODULE_ATTRIBUTES)
 
 
 #: The first DeepSpeed release whose ZeRO hooks read ``ds_grad_is_ready`` (st_ext holds reductions with it).
 DEEPSPEED_HOLDS_REDUCTION = Version("0.17.0")
+
+
+@contextmanager
+def deepspeed_gradients_ready(parameters: Iterable[Tensor], ready: bool) -> Iterator[None]:
+    """Inside the block, DeepSpeed ZeRO queues the gradients of ``parameters`` for reduction only if ``ready``;
+    otherwise they accumulate in ``.grad``. Sets the attribute ``ds_grad_is_ready`` that ZeRO's gradient hooks
+    read on each parameter (DeepSpeed 0.17 on, :data:`DEEPSPEED_HOLDS_REDUCTION`; older releases ignore it)."""
+    with ExitStack() as stack:
+        for param in parameters:
+            stack.enter_context(entries_set(vars(param), {"ds_grad_is_ready": ready}))
+        yield
+
+
+def partitioned_by_deepspeed(param: Tensor) -> bool:
+    """Whether ``deepspeed.zero.Init`` split ``param`` across ranks: it gives each such parameter a ``ds_id``
+    (DeepSpeed ZeRO-3, as of 0.19)."""
+    return hasattr(param, "ds_id")
+
+
+def training_deepspeed_config(args: Any) -> Any:
+    """The DeepSpeed configuration of training arguments built with ``deepspeed=``, or None: the
+    ``HfTrainerDeepSpeedConfig`` that transformers' ``TrainingArguments`` keeps in ``hf_deepspeed_config``
+    (transformers 4.51 … 5.x), whose ``get_value``/``is_true``/``is_zero3`` st_ext reads."""
+    return getattr(args, "hf_deepspeed_config", None)
+
+
+def live_deepspeed_config() -> dict | None:
+    """The DeepSpeed configuration (a dict) of the training arguments alive in this process, or None:
+    transformers keeps the last one process-wide for ``from_pretrained`` (``transformers.integrations.deepspeed
+    .deepspeed_config``, transformers 4.51 … 5.x)."""
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    return deepspeed_config()
 
 
 def deepspeed_version() -> Version | None:

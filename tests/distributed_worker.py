@@ -778,7 +778,7 @@ def train_with_guide_loaded_last(
     trained model is saved in ``output_dir/final``. Returns the trainer and whether the guide was
     partitioned across ranks when the loss got it."""
     from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from st_ext.training.gradient_sync import zero3_partitioned
+    from st_ext.gradient_sync import zero3_partitioned
 
     args = SentenceTransformerTrainingArguments(output_dir=str(output_dir), **{**TRAINER_SETTINGS, **engine_settings})
     model, guide = sentence_transformer_from(model_dir), load_guide(guide_dir)

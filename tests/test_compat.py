@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from st_ext import _compat
 
@@ -53,3 +55,14 @@ def test_importing_st_ext_on_an_unsupported_release_fails_with_the_fix():
     assert done.returncode != 0
     assert "ImportError" in done.stderr and "sentence-transformers 3.4.1 is installed" in done.stderr
     assert FIX in done.stderr
+
+
+def test_deepspeed_gradients_ready_marks_each_parameter_for_the_block_only():
+    """ZeRO reads the mark on each parameter; outside the block every parameter is as it was, unmarked or not."""
+    unmarked, marked = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    marked.ds_grad_is_ready = True
+    held = _compat.deepspeed_gradients_ready([unmarked, marked], ready=False)
+    assert not hasattr(unmarked, "ds_grad_is_ready")  # nothing happens before the block
+    with held:
+        assert unmarked.ds_grad_is_ready is False and marked.ds_grad_is_ready is False
+    assert not hasattr(unmarked, "ds_grad_is_ready") and marked.ds_grad_is_ready is True

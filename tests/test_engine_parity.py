@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 import st_ext
 from st_ext import _compat, losses
 from st_ext._compat import ST_VERSION, st_losses, st_modules
+from st_ext.gradient_sync import gradient_sync
 from st_ext.losses.gradcache import RngState
-from st_ext.training.gradient_sync import gradient_sync
 
 try:  # 5.7+: one engine for every cached loss
     from sentence_transformers.base.losses import gradcache as upstream_engine

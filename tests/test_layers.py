@@ -1,8 +1,10 @@
-"""Import directions: the low-level modules never import the layers built on them.
+"""Import directions: the low-level modules never import the layers built on them, and no two parts of st_ext
+import each other.
 
-``st_ext._compat``, ``st_ext.memory``, ``st_ext.mining``, ``st_ext.checkpointing`` and every module of
-``st_ext.offload`` are what models, losses, training and the command line build on; an import the
-other way (at module level or inside a function) would make them depend on what depends on them.
+``st_ext._compat``, ``st_ext.scoped_entries``, ``st_ext.gradient_sync``, ``st_ext.memory``, ``st_ext.mining``,
+``st_ext.checkpointing`` and every module of ``st_ext.offload`` are what models, losses, training and the
+command line build on; an import the other way (at module level or inside a function) would make them depend
+on what depends on them. Between the parts (each package and top-level module), the imports form no cycle.
 Checked on the source with ``ast``, so nothing is imported to check it.
 """
 
@@ -15,7 +17,7 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "st_ext"
 
-LOW_LEVEL_FILES = ["_compat.py", "memory.py", "mining.py", "checkpointing.py"]
+LOW_LEVEL_FILES = ["_compat.py", "scoped_entries.py", "gradient_sync.py", "memory.py", "mining.py", "checkpointing.py"]
 #: Every file of the offload package, found by glob so that new ones are covered.
 OFFLOAD_FILES = sorted(str(path.relative_to(PACKAGE_DIR)) for path in (PACKAGE_DIR / "offload").rglob("*.py"))
 
@@ -119,3 +121,100 @@ def test_the_check_sees_function_level_relative_and_dynamic_imports():
     ]
     assert upward_imports("from . import guards", "st_ext.offload", is_package=True) == []
     assert upward_imports("from .. import cli", "st_ext.offload", is_package=True) == ["st_ext.cli"]
+
+
+# ------------------------------------------------------------------------------------------------ no cycles
+
+
+def part_of(module: str) -> str | None:
+    """The part of st_ext that ``module`` belongs to: its top-level package or module (``st_ext.losses.gist``
+    -> ``st_ext.losses``); None outside st_ext and for ``st_ext`` itself, the public namespace every part
+    imports its siblings through (``from st_ext import _compat``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "st_ext" and len(parts) > 1 else None
+
+
+def part_imports(package_dir: Path) -> dict[tuple[str, str], list[str]]:
+    """``(importing part, imported part) -> ["file: imported module", ...]`` for every import from one part of
+    st_ext into another, anywhere in a file (functions included)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = str(path.relative_to(package_dir))
+        module = module_name(relative)
+        importer = part_of(module)
+        if importer is None:
+            continue
+        named: list[str] = []  # "a.b" stands for the "a.b.name" of the same import
+        for imported in sorted(imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")):
+            target = part_of(imported)
+            if target is None or target == importer or any(imported.startswith(name + ".") for name in named):
+                continue
+            named.append(imported)
+            edges.setdefault((importer, target), []).append(f"{relative}: {imported}")
+    return edges
+
+
+def cycles(edges) -> list[list[str]]:
+    """The groups of parts that import each other, directly or around a loop (the strongly connected
+    components of more than one part), each sorted, in sorted order."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+        graph.setdefault(target, set())
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reach = {node: reachable(node) for node in graph}
+    groups = {frozenset(other for other in graph if other in reach[node] and node in reach[other]) for node in graph}
+    return sorted(sorted(group) for group in groups if len(group) > 1)
+
+
+def describe_cycles(edges) -> str:
+    """Each cycle with the imports that close it, one ``importer -> imported`` edge per line."""
+    lines = []
+    for group in cycles(edges):
+        lines.append("cycle between " + ", ".join(group) + ":")
+        for (source, target), where in sorted(edges.items()):
+            if source in group and target in group:
+                lines.append(f"  {source} -> {target}  ({'; '.join(where)})")
+    return "\n".join(lines)
+
+
+def test_the_parts_of_st_ext_import_each_other_in_no_cycle():
+    edges = part_imports(PACKAGE_DIR)
+    assert ("st_ext.training", "st_ext.losses") in edges  # the graph is read at all
+    assert not cycles(edges), (
+        "Parts of st_ext import each other; move what both need into a low-level module below them:\n"
+        + describe_cycles(edges)
+    )
+
+
+def test_the_cycle_check_finds_loops_of_any_length_and_names_their_imports():
+    edges = {
+        ("st_ext.losses", "st_ext.training"): ["losses/a.py: st_ext.training.x"],
+        ("st_ext.training", "st_ext.cli"): ["training/b.py: st_ext.cli.y"],
+        ("st_ext.cli", "st_ext.losses"): ["cli/c.py: st_ext.losses"],
+        ("st_ext.cli", "st_ext._compat"): ["cli/c.py: st_ext._compat"],
+        ("st_ext.models", "st_ext.memory"): ["models.py: st_ext.memory"],
+        ("st_ext.memory", "st_ext.models"): ["memory.py: st_ext.models.z"],
+    }
+    assert cycles(edges) == [["st_ext.cli", "st_ext.losses", "st_ext.training"], ["st_ext.memory", "st_ext.models"]]
+    described = describe_cycles(edges)
+    assert "st_ext.training -> st_ext.cli  (training/b.py: st_ext.cli.y)" in described
+    assert "st_ext._compat" not in described
+    assert cycles({key: value for key, value in edges.items() if key[0] != "st_ext.memory"}) == [
+        ["st_ext.cli", "st_ext.losses", "st_ext.training"]
+    ]
+
+
+def test_parts_are_top_level_packages_and_modules():
+    assert part_of("st_ext.losses.gist") == "st_ext.losses"
+    assert part_of("st_ext.gradient_sync") == "st_ext.gradient_sync"
+    assert part_of("st_ext.offload") == "st_ext.offload"
+    assert part_of("st_ext") is None and part_of("torch.nn") is None

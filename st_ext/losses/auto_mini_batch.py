@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 from st_ext import checkpointing
 from st_ext._compat import compiled_module
+from st_ext.gradient_sync import gradient_sync, parameters_sharded
 from st_ext.losses.features import ColumnLayout, Features, minibatch_features
 from st_ext.losses.minibatches import Segment, can_merge
 from st_ext.memory import measure_peak
-from st_ext.training.gradient_sync import gradient_sync, parameters_sharded
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 
 from st_ext import offload
 from st_ext._compat import own_submodules, preprocess
+from st_ext.gradient_sync import parameters_sharded
 from st_ext.losses.features import Features, collator_inputs, reads_flattened, row_keys, row_token_ids, to_padded
-from st_ext.training.gradient_sync import parameters_sharded
 
 LABEL_COLUMNS = ("label", "labels", "score", "scores", "dataset_name")
 

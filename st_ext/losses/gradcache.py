@@ -27,6 +27,7 @@ from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
 from st_ext._compat import st_modules, unwrapped_model
+from st_ext.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.auto_mini_batch import checkpointed, resolve_mini_batching
 from st_ext.losses.cached_loss import (
     CachedLoss,
@@ -47,7 +48,6 @@ from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_
     row_keys,
 )
 from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches
-from st_ext.training.gradient_sync import gradient_sync, without_forward_collectives
 
 
 class RngState:

@@ -1,26 +1,4 @@
 """Training: the trainers (:mod:`.trainer`), their DDP work-arounds (:mod:`.ddp`), the trainer's
-``frozen_encoders=`` option (:mod:`.frozen_encoders`), the distributed engines' gradient reductions
-(:mod:`.gradient_sync`), and :func:`entries_set`, the one set-and-restore of flags they all use."""
-
-from __future__ import annotations
-
-from collections.abc import Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
-from typing import Any
-
-
-@contextmanager
-def entries_set(mapping: MutableMapping, entries: Mapping[str, Any]) -> Iterator[None]:
-    """``mapping`` (``os.environ``, an object's ``vars``) holds ``entries`` inside the block; afterwards each key
-    is as it was before, absent where it was absent."""
-    missing = object()
-    before = {key: mapping.get(key, missing) for key in entries}
-    mapping.update(entries)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is missing:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = value
+``frozen_encoders=`` option (:mod:`.frozen_encoders`), its DeepSpeed checks (:mod:`.deepspeed`), ZeRO-3
+frozen encoders (:mod:`.zero3_encoders`) and saving under FSDP2 (:mod:`.fsdp_saving`). The distributed
+engines' gradient reductions, which the cached losses need too, are one layer below: :mod:`st_ext.gradient_sync`."""

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from st_ext._compat import own_submodules
-from st_ext.training import entries_set
+from st_ext.scoped_entries import entries_set
 
 # What CrossEncoder losses read from ``self.model`` besides calling it.
 CROSS_ENCODER_LOSS_ATTRIBUTES = ("tokenizer", "device", "num_labels", "preprocess", "get_embedding_dimension")

@@ -21,15 +21,20 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from st_ext._compat import DEEPSPEED_HOLDS_REDUCTION, deepspeed_version, is_gradient_caching
-from st_ext.losses import ST_EXT_LOSSES
+from st_ext import losses
+from st_ext._compat import (
+    DEEPSPEED_HOLDS_REDUCTION,
+    deepspeed_version,
+    is_gradient_caching,
+    training_deepspeed_config,
+)
 from st_ext.training.frozen_encoders import loss_modules
 
 
 def check_deepspeed_setup(args: Any, loss: Any) -> None:
     """Raise ``ValueError`` for a DeepSpeed configuration the trainer's loss (one, or a dict of them)
     cannot train or save under."""
-    config = getattr(args, "hf_deepspeed_config", None)
+    config = training_deepspeed_config(args)
     if config is None:
         return
     if getattr(args, "use_cpu", False):
@@ -44,7 +49,9 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
     for module in cached:
         if not _from_st_ext(module):
             name = type(module).__name__
-            instead = f"use st_ext.losses.{name}" if name in ST_EXT_LOSSES else "st_ext has no replacement for it"
+            instead = (
+                f"use st_ext.losses.{name}" if name in losses.ST_EXT_LOSSES else "st_ext has no replacement for it"
+            )
             raise ValueError(
                 f"sentence-transformers' {name} cannot train under DeepSpeed (its loss has no grad_fn for "
                 f"engine.backward, and from ZeRO stage 2 each mini-batch reduces again); {instead}."
@@ -70,5 +77,6 @@ def _require_reduction_hold(stage: int, overlap_comm: bool) -> None:
 
 
 def _from_st_ext(module: Any) -> bool:
-    """st_ext's losses present upstream's ``__module__`` (for model cards) and keep their own in ``st_ext_module``."""
-    return any(cls.__dict__.get("st_ext_module", cls.__module__).startswith("st_ext.") for cls in type(module).__mro__)
+    """Whether ``module`` is one of st_ext's losses (or of a subclass of one)."""
+    own_classes = [getattr(losses, name) for name in losses.ST_EXT_LOSSES]
+    return isinstance(module, tuple(cls for cls in own_classes if isinstance(cls, type)))

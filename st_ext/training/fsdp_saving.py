@@ -14,17 +14,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from itertools import chain
-from typing import Any
 
 import torch
 from torch import nn
 
-from st_ext._compat import fsdp_hook_dicts, non_persistent_buffer_names, own_buffers, own_parameters
-
-
-def _is_fsdp_hook(hook: Any) -> bool:
-    function = getattr(hook, "func", hook)  # functools.partial
-    return (getattr(function, "__module__", None) or "").startswith("torch.distributed.fsdp")
+from st_ext._compat import (
+    fsdp_hook_dicts,
+    is_fsdp2_hook,
+    non_persistent_buffer_names,
+    own_buffers,
+    own_parameters,
+    state_dict_key_prefix,
+)
 
 
 @contextmanager
@@ -34,7 +35,7 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
     held = []
     for module in model.modules():
         for hooks in fsdp_hook_dicts(module):
-            removed = {hook_id: hook for hook_id, hook in hooks.items() if _is_fsdp_hook(hook)}
+            removed = {hook_id: hook for hook_id, hook in hooks.items() if is_fsdp2_hook(hook)}
             if removed:
                 held.append((hooks, list(hooks), removed))
                 for hook_id in removed:
@@ -49,11 +50,6 @@ def fsdp_hooks_held_back(model: nn.Module) -> Iterator[None]:
             hooks.update(merged)
 
 
-#: Wrappers' own names in a module path, which ``get_model_state_dict`` leaves out of its keys:
-#: activation checkpointing's wrapper (accelerate's ``fsdp_activation_checkpointing``) and ``torch.compile``'s.
-_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
-
-
 @contextmanager
 def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Inside the block, ``model``'s parameters and buffers are the whole tensors of ``state_dict`` (as
@@ -65,7 +61,7 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     """
     slots, unsaved = {}, []
     for module_name, module in model.named_modules():
-        prefix = "".join(f"{part}." for part in module_name.split(".") if part and part not in _WRAPPER_NAMES)
+        prefix = state_dict_key_prefix(module_name)
         buffers = own_buffers(module)
         for store in (own_parameters(module), buffers):
             for name, tensor in store.items():

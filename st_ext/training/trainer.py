@@ -19,11 +19,12 @@ import sentence_transformers
 from torch import nn
 
 from st_ext import _compat
+from st_ext.gradient_sync import sharded_by_fsdp2
 from st_ext.losses.auto_mini_batch import auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
-from st_ext.training import entries_set
+from st_ext.scoped_entries import entries_set
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
 from st_ext.training.frozen_encoders import (
@@ -34,7 +35,6 @@ from st_ext.training.frozen_encoders import (
     validate_frozen_encoder_mode,
 )
 from st_ext.training.fsdp_saving import fsdp_hooks_held_back, full_weights_in_place
-from st_ext.training.gradient_sync import sharded_by_fsdp2
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
 _LENT_METHODS = (

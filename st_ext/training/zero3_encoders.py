@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from st_ext._compat import live_deepspeed_config
+from st_ext.gradient_sync import zero3_partitioned
 from st_ext.offload.releasing import DEEPSPEED_ENGINE_ATTRIBUTE
 from st_ext.training.frozen_encoders import each_loss
-from st_ext.training.gradient_sync import zero3_partitioned
 
 
 def partitioned_frozen_encoders(loss: Any, model: nn.Module | None) -> list[nn.Module]:
@@ -70,9 +71,7 @@ def frozen_encoder_config(encoder: nn.Module) -> dict:
     """The engine configuration for a frozen ``encoder``: ZeRO-3 as the training configuration sets it
     (its settings that are numbers or flags rather than ``"auto"``), no optimizer, and the precision the
     encoder was loaded in, so that its weights stay as they are."""
-    from transformers.integrations.deepspeed import deepspeed_config
-
-    training_zero = (deepspeed_config() or {}).get("zero_optimization", {})
+    training_zero = (live_deepspeed_config() or {}).get("zero_optimization", {})
     zero = {key: value for key, value in training_zero.items() if value != "auto"}
     zero["stage"] = 3
     dtype = next(encoder.parameters()).dtype

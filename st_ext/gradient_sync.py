@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from st_ext import _compat
 from st_ext._compat import compiled_module, is_fsdp2_module
-from st_ext.training import entries_set
-
-#: The parameter attribute DeepSpeed ZeRO (0.17 and later) reads before queueing a gradient for
-#: reduction: while it is False the gradient accumulates in ``.grad`` and is not reduced.
-DEEPSPEED_READY_FLAG = "ds_grad_is_ready"
 
 
 def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
@@ -48,7 +43,7 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
     model = compiled_module(model)
     if isinstance(model, DistributedDataParallel):
         if _compat.ddp_static_graph_first_iteration(model):
-            return entries_set(vars(model), {"require_backward_grad_sync": True})  # even inside an outer no_sync
+            return _compat.ddp_reduces_in_backward(model)  # even inside an outer no_sync
         if sync or (model.find_unused_parameters and not _compat.DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS):
             return nullcontext()
         return model.no_sync()
@@ -65,7 +60,7 @@ def without_forward_collectives(model: nn.Module) -> AbstractContextManager[None
     model = compiled_module(model)
     if not isinstance(model, DistributedDataParallel):
         return nullcontext()
-    return entries_set(vars(model), {"require_forward_param_sync": False})
+    return _compat.ddp_skips_forward_buffer_broadcast(model)
 
 
 def parameters_sharded(model: nn.Module) -> bool:
@@ -81,7 +76,7 @@ def sharded_by_fsdp2(model: nn.Module) -> bool:
 
 def zero3_partitioned(module: nn.Module) -> bool:
     """Whether ``deepspeed.zero.Init`` split ``module``'s parameters across ranks while it was built."""
-    return any(hasattr(param, "ds_id") for param in module.parameters())
+    return any(_compat.partitioned_by_deepspeed(param) for param in module.parameters())
 
 
 @contextmanager
@@ -89,7 +84,9 @@ def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     """Besides holding the reduction: a module that stays gathered after forward (``reshard_after_forward=False``,
     by FSDP2's default the root module) keeps its parameters gathered after a held backward too, so the step
     gathers it once instead of once per mini-batch; its peak is unchanged, since each forward leaves it gathered."""
-    kept_gathered = [] if sync else [module for module in model.modules() if _stays_gathered_after_forward(module)]
+    kept_gathered = (
+        [] if sync else [module for module in model.modules() if _compat.fsdp2_resharded_after_backward_only(module)]
+    )
     model.set_requires_gradient_sync(sync)
     for module in kept_gathered:
         module.set_reshard_after_backward(False, recurse=False)
@@ -101,21 +98,8 @@ def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
             module.set_reshard_after_backward(True, recurse=False)
 
 
-def _stays_gathered_after_forward(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP2 module that keeps its parameters gathered after forward and reshards them
-    after backward. FSDP2 has setters for both, no getters, so this reads its parameter group; where a torch
-    release lacks it, the answer is False and the module reshards after every backward, as FSDP2 does."""
-    if not is_fsdp2_module(module):
-        return False
-    group = _compat.fsdp2_parameter_group(module)
-    return getattr(group, "post_forward_mesh_info", False) is None and getattr(group, "reshard_after_backward", False)
-
-
-@contextmanager
-def _deepspeed_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """ZeRO's hooks queue a gradient for reduction only while the parameter's flag is True (or unset)."""
-    with ExitStack() as stack:
-        for param in model.parameters():
-            if param.requires_grad:
-                stack.enter_context(entries_set(vars(param), {DEEPSPEED_READY_FLAG: sync}))
-        yield
+def _deepspeed_gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
+    """ZeRO's hooks queue a gradient for reduction only while its parameter is marked ready."""
+    return _compat.deepspeed_gradients_ready(
+        [param for param in model.parameters() if param.requires_grad], ready=sync
+    )
