@@ -1,6 +1,7 @@
-"""The seam of the cached losses (``st_ext/losses/cached_loss.py``): wrappers are functions of a loss's
-description and never name each other; the engine runs a description, a registered loss or the older
-protocol alike, and a loss over embeddings reads the mini-batch size the auto mode resolved."""
+"""The contract of the cached losses (``st_ext/losses/cached_loss.py``): wrappers are functions of a loss's
+description and never name each other; the engine runs a loss's own description as its forward does; a
+loss over embeddings gets the mini-batch size the auto mode resolved as an argument, and nothing is
+written on a loss during a step; a cross-batch memory hands its queue to the wrapped loss's own scoring."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from loss_checks import features_of, loss_and_grads, text_columns
 
 from st_ext import losses
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import as_cached_loss
+from st_ext.losses.cached_loss import CachedLoss, LossStep
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
 from st_ext.losses.gradcache import gradcache_forward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,7 +50,7 @@ def model(tiny_bert_dir):
     return sentence_transformer_from(tiny_bert_dir)
 
 
-def test_the_engine_runs_a_registered_loss_as_its_own_forward_does(model):
+def test_the_engine_runs_a_losss_description_as_its_own_forward_does(model):
     columns = text_columns(6, 2)
     inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
     loss = losses.MatryoshkaLoss(model, inner, [32, 16])
@@ -56,49 +58,74 @@ def test_the_engine_runs_a_registered_loss_as_its_own_forward_does(model):
 
     class ThroughTheEngine(torch.nn.Module):
         def forward(self, sentence_features, labels=None):
-            return gradcache_forward(loss, sentence_features, labels)
+            return gradcache_forward(loss.cached_loss(), sentence_features, labels)
 
     actual = loss_and_grads(model, ThroughTheEngine(), columns, train=True)
     torch.testing.assert_close(actual, expected)
 
 
-class ProtocolLoss:
-    """A loss with the older protocol that scores its rows ``self.mini_batch_size`` at a time."""
-
-    def __init__(self, model, mini_batch_size, budget_mb=None):
-        self.model = model
-        self.mini_batch_size = mini_batch_size
-        self.mini_batch_num_tokens = None
-        self.show_progress_bar = False
-        self.auto_mini_batch = make_auto_mini_batch(mini_batch_size, None, budget_mb)
-        self.sizes_read = []
-
-    def frozen_embeddings(self, sentence_features, ranges):
-        return None
-
-    def loss_from_embeddings(self, reps, frozen, labels, *, with_backward):
-        self.sizes_read.append(self.mini_batch_size)
-        anchors, positives = (torch.cat(column) for column in reps)
-        total = 0
-        for begin in range(0, len(anchors), self.mini_batch_size):
-            block = anchors[begin : begin + self.mini_batch_size] @ positives.T
-            value = block.logsumexp(dim=1).sum() / len(anchors)
-            if with_backward:
-                value.backward()
-                value = value.detach()
-            total = total + value
-        return total
-
-
-def test_a_protocol_loss_with_auto_reads_the_resolved_size(model):
+def test_a_loss_over_embeddings_gets_the_resolved_size_as_an_argument(model):
+    """A description's ``start`` receives the size the auto mode chose for the batch; a loss scoring its
+    rows a block at a time uses it, and the values are those of any block size."""
     features = features_of(model, text_columns(6, 2))
-    loss = ProtocolLoss(model, AUTO, budget_mb=4096)
-    gradcache_forward(loss, [dict(f) for f in features], None).backward()
+    sizes_read = []
+
+    def start(sentence_features, ranges, mini_batch_size):
+        sizes_read.append(mini_batch_size)
+
+        def loss_fn(reps, labels, *, with_backward):
+            anchors, positives = (torch.cat(column) for column in reps)
+            total = 0
+            for begin in range(0, len(anchors), mini_batch_size):
+                value = (anchors[begin : begin + mini_batch_size] @ positives.T).logsumexp(dim=1).sum() / len(anchors)
+                if with_backward:
+                    value.backward()
+                    value = value.detach()
+                total = total + value
+            return total
+
+        return LossStep(lambda: loss_fn)
+
+    auto = make_auto_mini_batch(AUTO, None, 4096)
+    value = gradcache_forward(CachedLoss("Blocks", model, start, AUTO, auto=auto), [dict(f) for f in features], None)
+    value.backward()
+    chosen = auto.choice.size
+    assert sizes_read == [chosen] and isinstance(chosen, int)
+    fixed = gradcache_forward(CachedLoss("Blocks", model, start, 1), [dict(f) for f in features], None)
+    assert sizes_read == [chosen, 1]
+    torch.testing.assert_close(fixed, value.detach())
+
+
+class RecordingCachedMNRL(losses.CachedMultipleNegativesRankingLoss):
+    """Records, per call of upstream's ``calculate_loss``, the size it reads, the columns it scores, and the
+    size the user's loss holds meanwhile."""
+
+    def calculate_loss(self, reps, *args, **kwargs):
+        columns = [sum(len(rep) for rep in column) for column in reps]
+        self.calls.append((self.mini_batch_size, columns, self.users_loss.mini_batch_size))
+        return super().calculate_loss(reps, *args, **kwargs)
+
+
+def recording_loss(model, **kwargs):
+    loss = RecordingCachedMNRL(model, **kwargs)
+    loss.calls = []
+    loss.users_loss = loss
+    return loss
+
+
+def test_auto_reaches_upstreams_calculate_loss_without_writing_the_loss(model):
+    loss = recording_loss(model, mini_batch_size=AUTO, memory_budget_mb=4096)
+    loss_and_grads(model, loss, text_columns(6, 2), train=True)
     chosen = loss.auto_mini_batch.choice.size
-    assert loss.sizes_read == [chosen] and isinstance(chosen, int)
-    assert loss.mini_batch_size == AUTO
-    fixed = ProtocolLoss(model, chosen)
-    assert as_cached_loss(fixed) is None  # not registered: the engine describes it by the protocol
-    model.zero_grad(set_to_none=True)
-    value = gradcache_forward(fixed, [dict(f) for f in features], None)
-    assert fixed.sizes_read == [chosen] and torch.isfinite(value)
+    assert loss.calls == [(chosen, [6, 6], AUTO)] and loss.mini_batch_size == AUTO
+
+
+def test_a_memory_hands_its_queue_to_the_wrapped_losss_own_scoring(model):
+    """The wrapped loss's (an overriding subclass's) ``calculate_loss`` scores the queue as one more
+    column of candidates, with its own options; an empty queue adds none."""
+    inner = recording_loss(model, mini_batch_size=2, scale=10.0)
+    memory = CrossBatchMemoryLoss(model, inner, memory_size=16)
+    model.train()
+    memory(features_of(model, text_columns(6, 3, seed=1)), None)
+    memory(features_of(model, text_columns(6, 3, seed=2)), None)
+    assert inner.calls == [(2, [6, 6, 6], 2), (2, [6, 6, 6, 12], 2)]

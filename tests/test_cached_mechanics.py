@@ -28,6 +28,7 @@ from torch import nn
 import st_ext
 from st_ext import losses
 from st_ext._compat import separate_column_forwards, st_losses, st_modules
+from st_ext.losses.cached_loss import CachedLoss, LossStep
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.gradcache import gradcache_forward
 
@@ -615,25 +616,17 @@ class NoisyEncoder(nn.Module):
         return {"sentence_embedding": self.linear(x * keep * 2.0)}
 
 
-class CoupledLoss:
+def coupled_loss(model: nn.Module) -> CachedLoss:
     """The smallest cached loss: every row's gradient depends on every other row, as in contrastive losses."""
 
-    mini_batch_size = 2
-    mini_batch_num_tokens = None
-    show_progress_bar = False
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def frozen_embeddings(self, sentence_features, ranges):
-        return None
-
-    def loss_from_embeddings(self, reps, frozen, labels, *, with_backward):
+    def loss_fn(reps, labels, *, with_backward):
         value = of_embeddings([torch.cat(column) for column in reps])
         if with_backward:
             value.backward()
             value = value.detach()
         return value
+
+    return CachedLoss("CoupledLoss", model, lambda features, ranges, size: LossStep(lambda: loss_fn), 2)
 
 
 def of_embeddings(columns: list[torch.Tensor]) -> torch.Tensor:
@@ -677,7 +670,7 @@ def test_replay_restores_the_generator_of_a_device_other_than_cpu_and_cuda(monke
 
     accelerator.generator.manual_seed(7)
     model.zero_grad(set_to_none=True)
-    value = gradcache_forward(CoupledLoss(model), features(), None)
+    value = gradcache_forward(coupled_loss(model), features(), None)
     accelerator.generator.manual_seed(99)  # not where the first pass left it, which a replay would also reach
     outer = accelerator.get_rng_state()
     value.backward()

@@ -4,6 +4,7 @@ and the errors bad input gets."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
@@ -109,21 +110,42 @@ def test_filled_memory_equals_the_loss_over_batch_and_queue(model, make_loss, tr
     )
 
 
-def test_queued_copy_of_an_anchors_own_positive_is_masked(model):
-    first = text_columns(BATCH, 2, seed=1)
-    second = text_columns(BATCH, 2, seed=2)
-    second[1][0] = first[1][3]  # anchor 0's positive was queued by the first batch (row 3)
-    masked = CrossBatchMemoryLoss(model, upstream.MultipleNegativesRankingLoss(model), memory_size=32)
-    unmasked = CrossBatchMemoryLoss(model, upstream.MultipleNegativesRankingLoss(model), 32, mask_own_positive=False)
+def loss_over_candidates(model, features, queue, scale=20.0):
+    """MNRL's cross-entropy computed by hand: every anchor against the batch's documents followed by ``queue``."""
+    embeddings = [model(f)["sentence_embedding"] for f in features]
+    candidates = torch.cat([*embeddings[1:], queue])
+    scores = cos_sim(embeddings[0], candidates) * scale
+    return F.cross_entropy(scores, torch.arange(len(scores)))
+
+
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        pytest.param(lambda model: upstream.MultipleNegativesRankingLoss(model), id="mnrl"),
+        pytest.param(lambda model: upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), id="cached"),
+    ],
+)
+def test_queued_copies_of_the_batchs_documents_are_left_out_of_the_candidates(model, make_loss):
+    """A queued row with the token ids of any of this batch's documents (anchor 0's positive, another
+    anchor's hard negative) is left out of every anchor's candidates; the rest of the queue stays."""
+    first = text_columns(BATCH, 3, seed=1)
+    second = text_columns(BATCH, 3, seed=2)
+    second[1][0] = first[1][3]  # anchor 0's positive was queued by the first batch (queue row 3)
+    second[2][4] = first[2][1]  # anchor 4's hard negative too (queue row BATCH + 1)
+    masked = CrossBatchMemoryLoss(model, make_loss(model), memory_size=32)
+    unmasked = CrossBatchMemoryLoss(model, make_loss(model), 32, mask_own_positive=False)
     fill(masked, first)
     fill(unmasked, first)
     queue = masked.memory_embeddings
+    kept = [row for row in range(len(queue)) if row not in (3, BATCH + 1)]
     model.eval()
     features = features_of(model, second)
-    without_copy = ExplicitRankingReference(model, queue, left_out=[(0, 3)])
-    torch.testing.assert_close(masked(features, None), without_copy(features, None))
-    with_copy = ExplicitRankingReference(model, unmasked.memory_embeddings)
-    torch.testing.assert_close(unmasked(features, None), with_copy(features, None))
+    with torch.no_grad():
+        expected_masked = loss_over_candidates(model, features, queue[kept])
+        expected_unmasked = loss_over_candidates(model, features, unmasked.memory_embeddings)
+    with torch.enable_grad():  # a training-mode step reads the queue
+        torch.testing.assert_close(masked(features, None).detach(), expected_masked)
+        torch.testing.assert_close(unmasked(features, None).detach(), expected_unmasked)
 
 
 @pytest.mark.parametrize("loss_name", ["BatchAllTripletLoss", "BatchHardTripletLoss", "BatchSemiHardTripletLoss"])
@@ -455,6 +477,49 @@ def test_missing_labels_for_a_triplet_loss_are_explained(model):
 def test_unsupported_losses_are_explained(model, make_loss, error, message):
     with pytest.raises(error, match=message):
         CrossBatchMemoryLoss(model, make_loss(model), memory_size=8)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"directions": ("query_to_doc", "doc_to_query")}, r"needs directions=\('query_to_doc',\).*leave directions"),
+        ({"hardness_mode": "all_negatives", "hardness_strength": 1.0}, "leave them at their defaults"),
+        ({"gather_across_devices": True}, "set gather_across_devices=False"),
+    ],
+)
+@pytest.mark.parametrize("ranking_class", ["MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss"])
+def test_options_that_cannot_take_extra_candidates_are_refused_in_one_line(model, ranking_class, options, message):
+    loss_class = getattr(upstream, ranking_class)
+    if not set(options) <= set(inspect.signature(loss_class).parameters):
+        pytest.skip(f"{ranking_class} has no {', '.join(options)} on this release")
+    with pytest.raises(ValueError, match=message) as raised:
+        CrossBatchMemoryLoss(model, loss_class(model, **options), memory_size=8)
+    assert "\n" not in str(raised.value)
+
+
+def test_subclasses_of_the_supported_losses_are_accepted(model):
+    class LabelledMNRL(upstream.MultipleNegativesRankingLoss):
+        pass
+
+    class LabelledBatchHard(upstream.BatchHardTripletLoss):
+        pass
+
+    ranking = CrossBatchMemoryLoss(model, LabelledMNRL(model), memory_size=32)
+    fill(ranking, text_columns(BATCH, 2, seed=1))
+    columns = text_columns(BATCH, 2, seed=3)
+    reference = ExplicitRankingReference(model, ranking.memory_embeddings.clone())
+    assert_same_grads(
+        loss_and_grads(model, ranking, columns, train=False), loss_and_grads(model, reference, columns, train=False)
+    )
+    inner = LabelledBatchHard(model, margin=0.5)
+    triplets = CrossBatchMemoryLoss(model, inner, memory_size=16)
+    texts, labels = [random_texts(8, seed=4)], torch.arange(8) % 3
+    assert_same_grads(
+        loss_and_grads(model, lambda f, _: triplets(f, labels), texts, train=True),
+        loss_and_grads(model, lambda f, _: inner(f, labels), texts, train=True),
+    )
+    with pytest.raises(TypeError, match="cannot wrap BatchHardSoftMarginTripletLoss"):
+        CrossBatchMemoryLoss(model, upstream.BatchHardSoftMarginTripletLoss(model), memory_size=8)
 
 
 def sentence_transformer_from_same(model):

@@ -34,6 +34,7 @@ import st_ext
 from st_ext import _compat, losses
 from st_ext._compat import ST_VERSION, st_losses, st_modules
 from st_ext.gradient_sync import gradient_sync
+from st_ext.losses.cached_loss import CachedLoss, LossStep, described
 from st_ext.losses.gradcache import RngState
 
 try:  # 5.7+: one engine for every cached loss
@@ -469,15 +470,9 @@ class IgnoresSecondColumn(nn.Module):
         super().__init__()
         self.model = model
 
-    def frozen_embeddings(self, sentence_features, ranges):
-        return None
-
-    def loss_from_embeddings(self, reps, frozen, labels, *, with_backward):
-        value = self.calculate_loss(reps, labels)
-        if with_backward:
-            value.backward()
-            value = value.detach()
-        return value
+    def cached_loss(self) -> CachedLoss:
+        """Its own description for st_ext's engine: ``calculate_loss`` is its loss over embeddings."""
+        return described(self, lambda features, ranges, size: LossStep(lambda: self.calculate_loss))
 
     def calculate_loss(self, reps, labels=None, *, with_backward=False):
         value = torch.cat(reps[0]).pow(2).mean()
@@ -496,7 +491,7 @@ def test_an_unused_column_is_named_before_the_backward(model):
 
     features = features_of(model, text_columns(8, 2))
     with pytest.raises(ValueError, match=r"did not use input column\(s\) 1"):
-        gradcache_forward(IgnoresSecondColumn(model), [dict(f) for f in features], None)
+        gradcache_forward(IgnoresSecondColumn(model).cached_loss(), [dict(f) for f in features], None)
     if upstream_engine is not None:
 
         class UpstreamIgnoresSecondColumn(IgnoresSecondColumn, upstream_engine.CachedLossMixin):

@@ -25,9 +25,10 @@ from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, follows_upstream_signature, named_like_upstream
-from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
 from st_ext.losses.layer_embeddings import LayerEmbeddings
+from st_ext.losses.loss_descriptions import as_cached_loss
 
 _upstream = st_losses()
 
@@ -41,40 +42,41 @@ class LayerStep:
     """What one forward pass of a layer-wise loss draws (``choose``, on its first mini-batch), and its
     loss over ``[final layer's reps, first sampled layer's reps, …]``."""
 
-    def __init__(self, wrapper: nn.Module, inner: LossStep) -> None:
+    def __init__(self, wrapper: nn.Module, inner: LossStep, columns: list[Features]) -> None:
         self.wrapper = wrapper
         self.inner = inner
+        self.columns = columns
         self.final_fn: LossFn | None = None
         #: The sampled layers' (weight, loss over embeddings), in the order drawn.
         self.prior: list[tuple[float, LossFn]] = []
 
     def choose(self, num_hidden_states: int) -> list[int]:
         """Draw as upstream does: the final layer's call first, then the layers, then each layer's call."""
-        self.final_fn = self.inner.draw(None)
+        self.final_fn = self.inner.draw()
         first = AdaptiveLayerRules.first_hidden_state
         num_layers = num_hidden_states - first
         indices = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
         self.prior = [
-            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw(index + first))
-            for index in indices
+            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw()) for index in indices
         ]
         return [index + first for index in indices]
 
-    def loss_from_layers(
-        self, outputs: list[Reps], frozen: Reps | None, labels: Tensor | None, *, with_backward: bool
-    ) -> Tensor:
+    def loss_from_layers(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        """The weighted losses of every output (each with the columns a wrapped loss added), and the KL terms
+        on the model's own embeddings."""
         wrapper = self.wrapper
         final, layers = outputs[0], outputs[1:]
-        term = partial(weighted_term, frozen=frozen, labels=labels, with_backward=with_backward)
+        term = partial(weighted_term, labels=labels, with_backward=with_backward)
         if self.final_fn is None:  # no forward pass ran: an empty batch
             raise ValueError(f"{type(wrapper).__name__} got an empty batch.")
         total = term(self.final_fn, final, weight=wrapper.last_layer_weight)
         for (layer_weight, loss_fn), reps in zip(self.prior, layers):
             total = total + term(loss_fn, reps, weight=layer_weight / len(layers) * wrapper.prior_layers_weight)
         if layers and wrapper.kl_temperature > 0:
-            kl = self._kl_terms(final, layers)
+            embedded = len(self.columns)
+            kl = self._kl_terms(final[:embedded], [reps[:embedded] for reps in layers])
             if with_backward:
                 kl.backward()
                 kl = kl.detach()
@@ -98,11 +100,9 @@ class LayerStep:
 def over_layers(description: CachedLoss, wrapper: nn.Module) -> CachedLoss:
     """``description`` trained at the final layer and at the layers ``wrapper`` draws."""
 
-    def layered(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        layers = LayerStep(wrapper, step)
-        return replace(
-            step, draw=lambda layer: layers.loss_from_layers, encoder=LayerEmbeddings(layers.choose), over_layers=True
-        )
+    def layered(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
+        layers = LayerStep(wrapper, step, sentence_features)
+        return replace(step, encoder=LayerEmbeddings(layers.choose), over_outputs=layers.loss_from_layers)
 
     return with_loss(description, type(wrapper).__name__, layered)
 
@@ -121,6 +121,17 @@ class LayerwiseGradCache:
             return super().forward(sentence_features, labels)
         return gradcache_forward(over_layers(as_cached_loss(self.loss), self), sentence_features, labels)
 
+    def cached_loss(self) -> None:
+        """None (upstream's implementation runs a wrapper around it) unless it caches, which no wrapper can
+        wrap: its gradients are computed in its own backward pass."""
+        if self.uses_gradient_cache:
+            raise TypeError(
+                f"A {type(self).__name__} over a cached loss cannot be wrapped: its gradients are computed in its "
+                "own backward pass. Put the other wrapper inside it (e.g. AdaptiveLayerLoss(model, "
+                "MatryoshkaLoss(...))), or use Matryoshka2dLoss."
+            )
+        return None
+
 
 LAYERWISE_NOTE = (
     "over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
@@ -135,15 +146,3 @@ class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
     @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
     def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
         self._set_up(model, loss, upstream_arguments)
-
-
-def _refuse_wrapping(loss: nn.Module) -> None:
-    if loss.uses_gradient_cache:
-        raise TypeError(
-            f"A {type(loss).__name__} over a cached loss cannot be wrapped: its gradients are computed in its own "
-            "backward pass. Put the other wrapper inside it (e.g. AdaptiveLayerLoss(model, MatryoshkaLoss(...))), "
-            "or use Matryoshka2dLoss."
-        )
-
-
-register_cached_loss(LayerwiseGradCache, _refuse_wrapping)

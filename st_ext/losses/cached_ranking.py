@@ -8,6 +8,7 @@ upstream's engine runs upstream's forward instead (:mod:`st_ext.losses.overrides
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterable
 from functools import partial
@@ -15,10 +16,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from st_ext._compat import st_losses, upstream_cached_loss_mixin, upstream_loss_class
+from st_ext._compat import st_losses, upstream_cached_loss_mixin
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, Reps, described_with, register_cached_loss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described
 from st_ext.losses.gradcache import Features, gradcache_forward
 from st_ext.losses.overrides import upstream_hook_overrides
 
@@ -60,6 +61,11 @@ class CachedRankingMixin:
             return super().forward(sentence_features, labels)
         return gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
 
+    def cached_loss(self) -> CachedLoss | None:
+        """This loss for the engine and the wrappers around it; None for a subclass that overrides a step of
+        upstream's engine, which only upstream's forward calls."""
+        return None if upstream_hook_overrides(self, self.st_ext_upstream_class) else upstream_cached_loss(self)
+
 
 def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
     """An upstream cached ranking loss described (on 5.7+, every loss on the shared GradCache base too,
@@ -67,17 +73,34 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
 
     Its loss over embeddings is the class's ``calculate_loss``, not the instance's, so an instance that
     upstream's ``MatryoshkaLoss`` already decorated is not truncated a second time; with ``as_decorated``,
-    the instance's (the loss runs itself, and upstream's wrapper may have decorated it).
+    the instance's (the loss runs itself, and upstream's wrapper may have decorated it). It scores every
+    document column it is given: a column a wrapper adds (a cross-batch memory's queue) is more candidates.
     """
     mixin = upstream_cached_loss_mixin()
     # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
     takes_labels = mixin is not None and isinstance(loss, mixin)
 
-    def calculate(reps: Reps, frozen, labels, *, with_backward: bool) -> Tensor:
-        calculate_loss = loss.calculate_loss if as_decorated else partial(type(loss).calculate_loss, loss)
-        return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+    def start(sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
+        sized = with_chunk_size(loss, mini_batch_size)
+        calculate_loss = sized.calculate_loss if as_decorated else partial(type(loss).calculate_loss, sized)
 
-    return described_with(loss, calculate)
+        def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+            return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+
+        return LossStep(lambda: loss_fn)
+
+    return described(loss, start)
+
+
+def with_chunk_size(loss: nn.Module, mini_batch_size: int) -> nn.Module:
+    """``loss``, or for ``mini_batch_size="auto"`` a shallow copy of it holding this batch's resolved size:
+    upstream's ``calculate_loss`` reads the size it scores its anchors by from its instance, and the user's
+    loss keeps its ``"auto"`` (nothing is written on it)."""
+    if loss.mini_batch_size != AUTO:
+        return loss
+    sized = copy.copy(loss)
+    sized.mini_batch_size = mini_batch_size
+    return sized
 
 
 _NOTE = (
@@ -108,18 +131,3 @@ with warnings.catch_warnings():
         @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
         def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
             self._set_up(memory_budget_mb, upstream_arguments)
-
-
-def _register_upstream_losses() -> None:
-    mixin = upstream_cached_loss_mixin()
-    if mixin is not None:  # a loss on the shared base that marks itself as caching
-        register_cached_loss(
-            mixin, lambda loss: upstream_cached_loss(loss) if getattr(loss, "uses_gradient_cache", False) else None
-        )
-    for name in ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss"):
-        upstream_class = upstream_loss_class(name)
-        if upstream_class is not None:
-            register_cached_loss(upstream_class, upstream_cached_loss)
-
-
-_register_upstream_losses()

@@ -1,8 +1,9 @@
 """Cross-batch memory (XBM, https://huggingface.co/papers/1912.06798) for sentence-transformers losses.
 
 A FIFO queue of detached embeddings from earlier training steps joins every step's loss: for
-(Cached)MultipleNegativesRankingLoss the queued documents are extra candidates in every anchor's
-softmax; for the triplet losses the queued rows and their labels extend the batch's references.
+(Cached)MultipleNegativesRankingLoss the queued documents are one more column of candidates handed to
+the wrapped loss's own scoring (:class:`RankingMemory`); for the triplet losses the queued rows and their
+labels extend the batch's references (:class:`TripletMemory`).
 The step's rows are enqueued after the loss (queued first, the batch's own positives would come back
 as negatives), detached and, under DDP, gathered from every rank. Gradients reach the batch only, and
 a cached loss stays exact: the queue is a constant in its loss over embeddings (GradCache's step 2),
@@ -11,8 +12,9 @@ and the replay (step 3) never looks at it.
 Ranking losses queue documents (the positive and hard-negative columns), not anchors: they are what
 anchors are ranked against, and queries may be embedded differently (prompts, asymmetric models). A
 queued copy of an anchor's own positive (the same text again, in a later epoch or for another query)
-would be a false negative with a near-perfect score; ``mask_own_positive`` leaves it out of that
-anchor's softmax, recognising rows by a hash of their non-padding token ids, stored in place of a
+would be a false negative with a near-perfect score; ``mask_own_positive`` leaves every queued copy of
+any of the batch's documents out of the step's candidates (the wrapped loss scores one candidate set
+for all anchors), recognising rows by a hash of their non-padding token ids, stored in place of a
 label. Queued embeddings come from older parameters: XBM finds they drift slowly enough, so size the
 queue in steps (``memory_size`` ≈ documents per step × a few hundred steps).
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -34,16 +35,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from st_ext._compat import is_gradient_caching, loss_model, st_losses
-from st_ext.losses.cached_loss import CachedLoss, LossFn, LossStep, as_cached_loss, register_cached_loss, with_loss
-from st_ext.losses.cached_ranking import CachedMultipleNegativesRankingLoss
-from st_ext.losses.gradcache import Features, Reps, batch_size_of, chunked_rows, gradcache_forward, row_keys
+from st_ext._compat import is_gradient_caching, loss_model, ranking_loss_from_embeddings, st_losses
+from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
+from st_ext.losses.cached_ranking import CachedMultipleNegativesSymmetricRankingLoss
+from st_ext.losses.gradcache import Features, Reps, batch_size_of, gradcache_forward, row_keys
+from st_ext.losses.loss_descriptions import as_cached_loss
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 MEMORY_FILENAME = "cross_batch_memory.pt"
 DEFAULT_MEMORY_SIZE = 1024
 MEMORY_STATE_FORMAT = 1
+#: Upstream's ranking losses that also rank documents against queries, which a memory of documents cannot.
+SYMMETRIC_RANKING_LOSSES = ("MultipleNegativesSymmetricRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
 
 XBM_CITATION = """
 @inproceedings{wang2020xbm,
@@ -96,16 +98,12 @@ def check_fits(queued: Tensor, embeddings: Tensor) -> None:
         )
 
 
-def memory_like(
-    bank: MemoryBank, embeddings: Tensor, embedding_map: Callable[[Tensor], Tensor] | None = None
-) -> tuple[Tensor | None, Tensor | None]:
-    """The queue (through a wrapper's ``embedding_map``, if any) on the batch's device and in its dtype,
-    or (None, None) when it is empty."""
+def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The queue on the batch's device and in its dtype, or (None, None) when it is empty."""
     if not bank.rows:
         return None, None
-    queued = bank.embeddings if embedding_map is None else embedding_map(bank.embeddings)
-    check_fits(queued, embeddings)
-    return queued.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(device=embeddings.device)
+    check_fits(bank.embeddings, embeddings)
+    return bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(embeddings.device)
 
 
 def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
@@ -171,22 +169,22 @@ def document_keys(features: Features) -> Tensor:
 
 
 def check_ranking_options(loss: nn.Module) -> None:
-    """Refuse the MNRL options whose meaning a queue of documents cannot carry."""
+    """Refuse the MNRL options whose meaning extra candidates without their queries cannot carry."""
     directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
     if directions != ("query_to_doc",):
         raise ValueError(
-            f"CrossBatchMemoryLoss supports MNRL with directions=('query_to_doc',) only, got {directions}: the "
-            "memory holds documents without their queries, so the other directions have nothing to rank."
+            f"CrossBatchMemoryLoss ranks queries against queued documents only, so it needs directions=('query_to_doc',) "
+            f"(got {directions}): leave directions at its default."
         )
     if getattr(loss, "hardness_mode", None) is not None and getattr(loss, "hardness_strength", 0.0) > 0:
         raise ValueError(
-            "CrossBatchMemoryLoss does not support hardness_mode/hardness_strength on the wrapped MNRL; "
-            "leave them at their defaults."
+            "CrossBatchMemoryLoss does not support hardness_mode/hardness_strength on the wrapped MNRL (queued "
+            "documents belong to no query of the batch): leave them at their defaults."
         )
     if getattr(loss, "gather_across_devices", False):
         raise ValueError(
-            "CrossBatchMemoryLoss does not support gather_across_devices=True on the wrapped MNRL: under DDP the "
-            "memory already holds every rank's documents from earlier steps. Set gather_across_devices=False."
+            "CrossBatchMemoryLoss does not support gather_across_devices=True on the wrapped MNRL (the memory already "
+            "holds every rank's documents of earlier steps): set gather_across_devices=False."
         )
 
 
@@ -204,77 +202,81 @@ def document_rows(reps: Reps) -> Tensor:
     return torch.cat([torch.cat(column) for column in reps[1:]])
 
 
-def ranking_loss_fn(
-    loss: nn.Module, bank: MemoryBank, keys: Tensor | None, chunk_size: int, show_progress_bar: bool
-) -> LossFn:
-    """MNRL's cross-entropy (``loss``'s scale and similarity) with candidates = the batch's documents
-    followed by ``bank``'s, as a :data:`~st_ext.losses.cached_loss.LossFn`.
+def queued_candidates(bank: MemoryBank, anchors: Tensor, batch_keys: Tensor | None) -> Reps:
+    """The queue as one extra (detached) candidate column for a batch with these anchors, or no column
+    when it is empty. With ``batch_keys`` (the batch's documents'), a queued row with the key of any of
+    them is left out: a queued copy of a row's own positive would be a false negative."""
+    queued, queued_keys = memory_like(bank, anchors)
+    if queued is None:
+        return []
+    if batch_keys is not None:
+        queued = queued[~torch.isin(queued_keys, batch_keys.to(queued_keys.device))]
+    return [[queued]] if len(queued) else []
 
-    Anchor rows go ``chunk_size`` at a time; with ``with_backward`` each chunk back-propagates into
-    ``reps`` at once (GradCache's step 2) and the value comes back detached. ``keys`` are the documents'
-    (the positives' first, one per anchor), or None: a queued row with the key of an anchor's own
-    positive is left out of that anchor's softmax. A wrapper's ``embedding_map`` (Matryoshka's
-    truncation and re-normalisation) applies to the queue as to the batch.
-    """
 
-    def loss_fn(
-        reps: Reps, frozen: Reps | None, labels: Tensor | None, *, with_backward: bool, embedding_map=None
+class RankingMemory:
+    """A queue of documents for a ranking loss (MultipleNegativesRankingLoss, its cached forms and their
+    subclasses): handed to the wrapped loss's own scoring as one more column of candidates, so every
+    option it has runs as it does without a memory."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        check_ranking_options(loss)
+        self.loss = loss
+
+    def forward(
+        self, memory: CrossBatchMemoryLoss, sentence_features: list[Features], labels: Tensor | None
     ) -> Tensor:
-        anchors, documents = torch.cat(reps[0]), document_rows(reps)
-        memory_embeddings, memory_keys = memory_like(bank, anchors, embedding_map)
-        candidates = documents if memory_embeddings is None else torch.cat([documents, memory_embeddings])
-        batch_size = len(anchors)
-        targets = torch.arange(batch_size, device=anchors.device)
-        anchor_keys = None if keys is None or memory_keys is None else keys.to(anchors.device)
-        chunk_losses = []
-        for begin, end in tqdm(
-            list(chunked_rows(batch_size, chunk_size)), desc="Calculating loss", disable=not show_progress_bar
-        ):
-            scores = loss.similarity_fct(anchors[begin:end], candidates) * loss.scale
-            if anchor_keys is not None:
-                own_positive = torch.zeros_like(scores, dtype=torch.bool)
-                own_positive[:, len(documents) :] = anchor_keys[begin:end, None] == memory_keys[None]
-                scores = scores.masked_fill(own_positive, -math.inf)
-            chunk_loss = F.cross_entropy(scores, targets[begin:end]) * (end - begin) / batch_size
-            if with_backward:
-                chunk_loss.backward()
-                chunk_loss = chunk_loss.detach()
-            chunk_losses.append(chunk_loss)
-        return sum(chunk_losses)
+        """A step of a loss that embeds the batch in one pass (MultipleNegativesRankingLoss)."""
+        keys = ranking_keys(self.loss, sentence_features)
+        training = torch.is_grad_enabled()
+        embeddings = [memory.model(features)["sentence_embedding"] for features in sentence_features]
+        added = queued_candidates(memory.bank(None), embeddings[0], memory.dropped_keys(keys)) if training else []
+        value = ranking_loss_from_embeddings(self.loss, embeddings + [torch.cat(column) for column in added], labels)
+        if training:
+            memory.push(None, torch.cat(embeddings[1:]), keys)
+        return value
 
-    return loss_fn
+    def cached_loss(self, memory: CrossBatchMemoryLoss) -> CachedLoss:
+        inner = as_cached_loss(self.loss)
+        if inner is None:
+            raise not_wrappable(self.loss)
+        return with_queue(memory, inner)
 
 
 def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedLoss:
-    """The cached ranking loss ``description`` with ``memory``'s queues: each call of its loss over
-    embeddings ranks against the queue of its layer (the model's output, or a layer a layer-wise loss
-    draws), and once the step's loss is computed each layer's documents join that layer's queue. The
-    documents enqueued are step (1)'s embeddings: with the RNG replayed they are the ones the gradients
-    were computed for.
+    """The cached ranking loss ``description`` with ``memory``'s queues: every output's reps get the queue of
+    its source (the model's output, or a layer a layer-wise loss embeds) as one more candidate column, and
+    once the step's loss is computed each source's documents join its queue. The documents enqueued are
+    step (1)'s embeddings: with the RNG replayed they are the ones the gradients were computed for.
 
     Each layer has its own queue: one for all layers would put final-layer embeddings among an earlier
     layer's candidates, another embedding space. A layer's queue grows only on steps that sample it (with
     ``n_layers_per_step=1`` of L layers, about L times more slowly, so its rows are older), and every queue
     holds up to ``memory_size`` rows: (sampled layers + 1) × ``memory_size`` embeddings in all."""
 
-    def queued(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
+    def queued(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
         keys = ranking_keys(memory.loss, sentence_features)
         training = torch.is_grad_enabled()
 
-        def draw(layer: int | None) -> LossFn:
-            bank = memory.bank(layer) if training else MemoryBank()
-            masked = keys if memory.mask_own_positive else None
-            return ranking_loss_fn(memory.loss, bank, masked, mini_batch_size, description.show_progress_bar)
+        def candidates(sources: list, outputs: list[Reps]) -> list[Reps]:
+            added = step.candidates(sources, outputs)
+            if not training:
+                return added
+            return [
+                columns + queued_candidates(memory.bank(source), torch.cat(reps[0]), memory.dropped_keys(keys))
+                for columns, source, reps in zip(added, sources, outputs)
+            ]
 
-        def finish(layers: list, outputs: list[Reps]) -> None:
+        def finish(sources: list, outputs: list[Reps]) -> None:
+            step.finish(sources, outputs)
             if not training:
                 return
-            if layers != [None]:
-                _check_same_layers_on_every_rank(layers)
-            for layer, reps in zip(layers, outputs):
-                memory.push(layer, document_rows(reps), keys)
+            if sources != [None]:
+                _check_same_layers_on_every_rank(sources)
+            for source, reps in zip(sources, outputs):
+                memory.push(source, document_rows(reps), keys)
 
-        return replace(step, draw=draw, finish=finish)
+        return replace(step, candidates=candidates, finish=finish)
 
     return with_loss(description, type(memory).__name__, queued)
 
@@ -297,42 +299,70 @@ def _check_same_layers_on_every_rank(layers: list) -> None:
 # Triplet losses: queued rows as extra references
 
 
-def triplet_step(
-    loss: nn.Module, model: nn.Module, sentence_features: list[Features], labels: Tensor | None, bank: MemoryBank
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss value, embeddings to enqueue, their labels) for a triplet loss with the queue."""
-    loss_function, distance_metric, margin = triplet_settings(loss)
-    if len(sentence_features) != 1:
-        raise ValueError(
-            f"{type(loss).__name__} takes one text column and a label column, got {len(sentence_features)} text columns."
+class TripletMemory:
+    """A queue of labelled rows for a batch triplet loss (batch-all, batch-hard, semi-hard; st_ext's, upstream's
+    and their subclasses that keep upstream's computation): queued rows and their labels extend the
+    references every anchor of the batch is compared with."""
+
+    def __init__(self, loss: nn.Module) -> None:
+        self.loss = loss
+        self.loss_function, self.distance_metric, self.margin = triplet_settings(loss)
+
+    def forward(
+        self, memory: CrossBatchMemoryLoss, sentence_features: list[Features], labels: Tensor | None
+    ) -> Tensor:
+        if len(sentence_features) != 1:
+            raise ValueError(
+                f"{type(self.loss).__name__} takes one text column and a label column, got {len(sentence_features)} "
+                "text columns."
+            )
+        training = torch.is_grad_enabled()
+        embeddings = memory.model(sentence_features[0])["sentence_embedding"]
+        what = f"CrossBatchMemoryLoss around {type(self.loss).__name__}"
+        labels = check_triplet_labels(labels, len(embeddings), what)
+        queued, queued_labels = memory_like(memory.bank(None) if training else MemoryBank(), embeddings)
+        value = triplet_loss_from_embeddings(
+            self.loss_function, self.distance_metric, self.margin, embeddings, labels, queued, queued_labels
         )
-    embeddings = model(sentence_features[0])["sentence_embedding"]
-    labels = check_triplet_labels(labels, len(embeddings), f"CrossBatchMemoryLoss around {type(loss).__name__}")
-    memory_embeddings, memory_labels = memory_like(bank, embeddings)
-    value = triplet_loss_from_embeddings(
-        loss_function, distance_metric, margin, embeddings, labels, memory_embeddings, memory_labels
+        if training:
+            memory.push(None, embeddings, labels)
+        return value
+
+    def cached_loss(self, memory: CrossBatchMemoryLoss) -> CachedLoss:
+        raise not_wrappable(self.loss)
+
+
+def not_wrappable(loss: nn.Module) -> TypeError:
+    """The error of a wrapper around a memory whose loss is not on st_ext's engine."""
+    return TypeError(
+        f"Wrappers take a CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (st_ext then gives each "
+        f"layer its own queue and truncates the queue with the batch), not over {type(loss).__name__}: called once "
+        "per dimension or layer, the memory would mix their embeddings in one queue. For MultipleNegativesRankingLoss "
+        "use CachedMultipleNegativesRankingLoss; with mini_batch_size at least the batch size it runs in one pass."
     )
-    return value, embeddings, labels
 
 
-def memory_kind(loss: nn.Module) -> str:
-    """ "ranking" or "triplet", or an error naming the losses a memory supports."""
+def memory_for(loss: nn.Module) -> RankingMemory | TripletMemory:
+    """How a queue joins ``loss``, or an error naming the losses a memory supports."""
     upstream = st_losses()
-    ranking = (
-        upstream.MultipleNegativesRankingLoss,
-        upstream.CachedMultipleNegativesRankingLoss,
-        CachedMultipleNegativesRankingLoss,
+    symmetric = tuple(filter(None, (getattr(upstream, name, None) for name in SYMMETRIC_RANKING_LOSSES))) + (
+        CachedMultipleNegativesSymmetricRankingLoss,
     )
-    if type(loss) in ranking:
-        check_ranking_options(loss)
-        return "ranking"
+    if isinstance(loss, symmetric):
+        raise TypeError(
+            f"CrossBatchMemoryLoss cannot wrap {type(loss).__name__}: Symmetric variants rank queries against "
+            "documents and back, and the memory holds no queries. Use (Cached)MultipleNegativesRankingLoss."
+        )
+    ranking = (upstream.MultipleNegativesRankingLoss, upstream.CachedMultipleNegativesRankingLoss)
+    if isinstance(loss, ranking):
+        return RankingMemory(loss)
     if triplet_settings(loss) is not None:
-        return "triplet"
+        return TripletMemory(loss)
     raise TypeError(
         f"CrossBatchMemoryLoss cannot wrap {type(loss).__name__}. Supported: MultipleNegativesRankingLoss, "
         "CachedMultipleNegativesRankingLoss (queued documents become extra negatives), BatchAllTripletLoss, "
-        "BatchHardTripletLoss, BatchSemiHardTripletLoss (queued rows become extra references). Symmetric variants "
-        "are not supported: the memory holds no queries."
+        "BatchHardTripletLoss, BatchSemiHardTripletLoss (queued rows become extra references), and their "
+        "subclasses. Symmetric variants are not supported: the memory holds no queries."
     )
 
 
@@ -346,13 +376,14 @@ class CrossBatchMemoryLoss(nn.Module):
     Args:
         model: the SentenceTransformer being trained (the one ``loss`` was built with).
         loss: MultipleNegativesRankingLoss or CachedMultipleNegativesRankingLoss (queued documents
-            become extra negatives; options: the default direction, no hardness weighting, no
-            gather_across_devices), or BatchAllTripletLoss, BatchHardTripletLoss,
-            BatchSemiHardTripletLoss, st_ext's or upstream's (queued rows and labels become extra
-            positives and negatives of the batch's anchors).
+            become extra candidates of the loss's own scoring; options: the default direction, no
+            hardness weighting, no gather_across_devices), or BatchAllTripletLoss,
+            BatchHardTripletLoss, BatchSemiHardTripletLoss, st_ext's or upstream's (queued rows and
+            labels become extra positives and negatives of the batch's anchors); or a subclass of one.
         memory_size: how many rows the queue keeps (the newest).
-        mask_own_positive: ranking losses only: leave a queued copy of an anchor's own positive
-            (same token ids) out of its softmax instead of counting it as a negative.
+        mask_own_positive: ranking losses only: leave out of the step's candidates every queued row
+            with the token ids of one of the batch's documents (a queued copy of a row's own positive
+            would be a false negative), instead of counting it as a negative.
 
     With an empty queue the value and gradients are the wrapped loss's. The queue is updated only on
     training steps (gradients enabled); :meth:`memory_state` / :meth:`load_memory_state` save and
@@ -374,7 +405,8 @@ class CrossBatchMemoryLoss(nn.Module):
                 f"memory_size must be a positive number of rows, got {memory_size!r}; e.g. memory_size=4096 keeps "
                 "the embeddings of the last 4096 texts."
             )
-        self.kind = memory_kind(loss)
+        #: How the queue joins ``loss`` (:class:`RankingMemory` or :class:`TripletMemory`).
+        self.joined = memory_for(loss)
         if loss_model(loss) is not model:
             raise ValueError(
                 f"The wrapped {type(loss).__name__} was built for another model; build it with the model passed "
@@ -391,42 +423,19 @@ class CrossBatchMemoryLoss(nn.Module):
         self.layer_memory: dict[int, MemoryBank] = {}
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        sentence_features = list(sentence_features)
-        if self.kind == "ranking" and self.uses_gradient_cache:
+        if self.uses_gradient_cache:
             return gradcache_forward(self.cached_loss(), sentence_features, labels)
-        training = torch.is_grad_enabled()
-        bank = self.memory if training else MemoryBank()
-        if self.kind == "ranking":
-            keys = ranking_keys(self.loss, sentence_features)
-            embeddings = [self.model(features)["sentence_embedding"] for features in sentence_features]
-            masked = keys if self.mask_own_positive else None
-            loss_fn = ranking_loss_fn(self.loss, bank, masked, len(embeddings[0]), show_progress_bar=False)
-            value = loss_fn([[embedding] for embedding in embeddings], None, None, with_backward=False)
-            rows, row_labels = torch.cat(embeddings[1:]), keys
-        else:
-            value, rows, row_labels = triplet_step(self.loss, self.model, sentence_features, labels, bank)
-        if training:
-            self.push(None, rows, row_labels)
-        return value
+        return self.joined.forward(self, list(sentence_features), labels)
 
     def cached_loss(self) -> CachedLoss:
         """This memory for the engine and for the wrappers around it. Only a memory around a cached ranking
         loss has one: a wrapper around any other would call it once per dimension or layer, and each
         call would enqueue its embeddings into the one queue."""
-        if self.kind == "ranking" and self.uses_gradient_cache:
-            inner = as_cached_loss(self.loss)
-            if inner is None:
-                raise TypeError(
-                    f"{type(self.loss).__name__} has no cached-loss description; see st_ext.losses.cached_loss."
-                )
-            return with_queue(self, inner)
-        raise TypeError(
-            f"Wrappers take a CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only (st_ext then gives "
-            f"each layer its own queue and truncates the queue with the batch), not over {type(self.loss).__name__}: "
-            "called once per dimension or layer, the memory would mix their embeddings in one queue. For "
-            "MultipleNegativesRankingLoss use CachedMultipleNegativesRankingLoss; with mini_batch_size at least "
-            "the batch size it runs in one pass."
-        )
+        return self.joined.cached_loss(self)
+
+    def dropped_keys(self, batch_keys: Tensor) -> Tensor | None:
+        """The keys whose queued rows a step with these documents leaves out (``mask_own_positive``)."""
+        return batch_keys if self.mask_own_positive else None
 
     def bank(self, layer: int | None) -> MemoryBank:
         """The queue of ``layer`` (a hidden-state index), or of the model's output for None."""
@@ -617,6 +626,3 @@ def restore_memories_for_resume(
         if resume_from_checkpoint is None:
             return []  # the trainer raises its own error about the missing checkpoint
     return load_memories(trainer.loss, resume_from_checkpoint, allow_empty=allow_empty)
-
-
-register_cached_loss(CrossBatchMemoryLoss, lambda loss: loss.cached_loss())

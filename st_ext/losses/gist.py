@@ -24,7 +24,7 @@ from st_ext import offload
 from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep, described, register_cached_loss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, described
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
@@ -500,20 +500,22 @@ class CachedGISTEmbedLoss(GuidedLoss):
         """This loss for the engine: the guide's embeddings are the frozen ones, and the loss over
         embeddings scores the anchors a mini-batch at a time."""
 
-        def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-            def loss_fn(reps: Reps, frozen: Reps | None, labels, *, with_backward: bool, embedding_map=None):
+        def start(sentence_features: list[Features], ranges: list[Ranges], mini_batch_size: int) -> LossStep:
+            guide_reps = self.frozen_embeddings(sentence_features, ranges)
+
+            def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
                 return gist_loss(
                     reps,
-                    frozen,
+                    guide_reps,
                     **self._gist_options(),
                     chunk_size=mini_batch_size,
                     with_backward=with_backward,
                     show_progress_bar=self.show_progress_bar,
                 )
 
-            return LossStep(lambda layer: loss_fn)
+            return LossStep(lambda: loss_fn)
 
-        return described(self, start, self.frozen_embeddings)
+        return described(self, start)
 
 
 @named_like_upstream(_upstream.GISTEmbedLoss)
@@ -598,19 +600,16 @@ def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
     """Upstream's ``CachedGISTEmbedLoss`` for the engine: its guide runs once per step, and its loss over
     embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
 
-    def frozen(sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
+    def start(sentence_features: list[Features], ranges: list[Ranges], mini_batch_size: int) -> LossStep:
         retokenize_with = loss.tokenizer if loss.must_retokenize else None
         show_progress_bar = getattr(loss, "show_progress_bar", False)
-        return guide_pass(loss.guide, sentence_features, ranges, retokenize_with, show_progress_bar=show_progress_bar)
+        guide_reps = guide_pass(
+            loss.guide, sentence_features, ranges, retokenize_with, show_progress_bar=show_progress_bar
+        )
 
-    def start(sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        def loss_fn(reps: Reps, frozen: Reps | None, labels, *, with_backward: bool, embedding_map=None):
-            return type(loss).calculate_loss(loss, reps, frozen, with_backward=with_backward)
+        def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+            return type(loss).calculate_loss(loss, reps, guide_reps, with_backward=with_backward)
 
-        return LossStep(lambda layer: loss_fn)
+        return LossStep(lambda: loss_fn)
 
-    return described(loss, start, frozen)
-
-
-register_cached_loss(CachedGISTEmbedLoss, lambda loss: loss.cached_loss())
-register_cached_loss(_upstream.CachedGISTEmbedLoss, upstream_cached_gist)
+    return described(loss, start)

@@ -29,14 +29,7 @@ from tqdm.auto import tqdm
 from st_ext._compat import st_modules, unwrapped_model
 from st_ext.gradient_sync import gradient_sync, without_forward_collectives
 from st_ext.losses.auto_mini_batch import checkpointed, resolve_mini_batching
-from st_ext.losses.cached_loss import (
-    CachedLoss,
-    Encoder,
-    LossFn,
-    Reps,
-    as_cached_loss,
-    from_protocol,
-)
+from st_ext.losses.cached_loss import CachedLoss, Encoder, LossFn, Reps
 from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_keys: re-exported for the losses)
     ColumnLayout,
     Features,
@@ -207,31 +200,28 @@ def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor 
     return grads
 
 
-def gradcache_forward(loss: Any, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
-    """Run steps (1) and (2) and return a loss whose ``backward()`` runs step (3) (or, when one
-    mini-batch holds the whole batch, the plain loss with its graph).
-
-    ``loss`` is a :class:`~st_ext.losses.cached_loss.CachedLoss`, a loss registered for one, or an
-    object with the older protocol (:func:`~st_ext.losses.cached_loss.from_protocol`).
-    """
-    if not isinstance(loss, CachedLoss):
-        loss = as_cached_loss(loss) or from_protocol(loss)
+def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
+    """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.cached_loss.CachedLoss`) and return a
+    loss whose ``backward()`` runs step (3) (or, when one mini-batch holds the whole batch, the plain loss
+    with its graph)."""
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
     plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
-    # Before the passes that embed the features (the auto mode's probes embed copies): the loss and the frozen
+    # Before the passes that embed the features (the auto mode's probes embed copies): the loss and its frozen
     # encoders read them before a module edits them in place.
-    step = loss.start(sentence_features, batching.size)
-    frozen = None if loss.frozen is None else loss.frozen(sentence_features, plan.column_ranges())
-    loss_fn = step.draw(None)
+    step = loss.start(sentence_features, plan.column_ranges(), batching.size)
     encoder = step.encoder
 
+    def sources() -> list:
+        return [None, *(getattr(encoder, "layers", None) or [])]
+
     def loss_over(outputs: list[Reps], *, with_backward: bool) -> Tensor:
-        return loss_fn(outputs if step.over_layers else outputs[0], frozen, labels, with_backward=with_backward)
+        extra = step.candidates(sources(), outputs)
+        return step.loss([reps + added for reps, added in zip(outputs, extra)], labels, with_backward=with_backward)
 
     def finished(outputs: list[Reps], value: Tensor) -> Tensor:
-        step.finish([None, *(getattr(encoder, "layers", None) or [])], outputs)
+        step.finish(sources(), outputs)
         return value
 
     grad_enabled = torch.is_grad_enabled()
@@ -288,26 +278,16 @@ class _ReplayOnBackward(torch.autograd.Function):
         return None, None
 
 
-def weighted_term(
-    loss_fn: LossFn,
-    reps: Reps,
-    frozen: Reps | None,
-    labels: Tensor | None,
-    weight: float,
-    *,
-    with_backward: bool,
-    embedding_map=None,
-) -> Tensor:
-    """``weight * loss_fn(reps)``, one term of a weighted sum. With ``with_backward``, ``loss_fn``
+def weighted_term(loss_fn: LossFn, reps: Reps, labels: Tensor | None, weight: float, *, with_backward: bool) -> Tensor:
+    """``weight * loss_fn(reps, labels)``, one term of a weighted sum. With ``with_backward``, ``loss_fn``
     back-propagates into leaves of its own and ``weight`` times their gradient is carried on into ``reps``
-    (through the graph that made them, e.g. a truncation); the value comes back detached.
+    (through the graph that made them, e.g. a truncation); the value comes back detached. Columns that need
+    no gradient (a queue of earlier embeddings) are handed on as they are.
     """
-    # The map only where a wrapper made one: a registered loss's function need not take the keyword otherwise.
-    mapped = {} if embedding_map is None else {"embedding_map": embedding_map}
     if not with_backward:
-        return loss_fn(reps, frozen, labels, with_backward=False, **mapped) * weight
-    leaves = [[rep.detach().requires_grad_() for rep in column] for column in reps]
-    value = loss_fn(leaves, frozen, labels, with_backward=True, **mapped)
+        return loss_fn(reps, labels, with_backward=False) * weight
+    leaves = [[rep.detach().requires_grad_(rep.requires_grad) for rep in column] for column in reps]
+    value = loss_fn(leaves, labels, with_backward=True)
     pairs = [
         (rep, leaf.grad * weight)
         for rep_column, leaf_column in zip(reps, leaves)

@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from st_ext._compat import loss_model, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, named_like_upstream
-from st_ext.losses.cached_loss import CachedLoss, LossStep, as_cached_loss, register_cached_loss, with_loss
+from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
 from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
+from st_ext.losses.loss_descriptions import as_cached_loss
 
 _upstream = st_losses()
 
@@ -52,37 +53,28 @@ def dims_for_step(dims: Sequence[int], weights: Sequence[float], n_dims_per_step
 def matryoshka_loss_from_embeddings(
     loss_fn: LossFn,
     reps: Reps,
-    frozen: Reps | None,
     labels: Tensor | None,
     *,
     with_backward: bool,
     dims_weights: Sequence[tuple[int, float]],
-    embedding_map=None,
 ) -> Tensor:
-    """The weighted sum of the wrapped loss over truncated embeddings. The wrapped loss is told the
-    truncation (``embedding_map``, after the map it was given), for embeddings it holds itself (a queue)."""
+    """The weighted sum of the wrapped loss over truncated embeddings: every column is truncated, columns
+    a wrapped loss added (a queue of earlier embeddings) included."""
     total = torch.zeros((), device=reps[0][0].device)
     for dim, weight in dims_weights:
         truncated = [[shrink(rep, dim) for rep in column] for column in reps]
-        truncation = partial(_truncate_mapped, dim=dim, embedding_map=embedding_map)
-        total = total + weighted_term(
-            loss_fn, truncated, frozen, labels, weight, with_backward=with_backward, embedding_map=truncation
-        )
+        total = total + weighted_term(loss_fn, truncated, labels, weight, with_backward=with_backward)
     return total
-
-
-def _truncate_mapped(embeddings: Tensor, *, dim: int, embedding_map) -> Tensor:
-    return shrink(embeddings if embedding_map is None else embedding_map(embeddings), dim)
 
 
 def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
     """``description`` trained at ``wrapper``'s dimensions, drawn per call of its loss over embeddings
     (per layer, under a layer-wise loss)."""
 
-    def over_dimensions(step: LossStep, sentence_features: list[Features], mini_batch_size: int) -> LossStep:
-        def draw(layer):
+    def over_dimensions(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
+        def draw() -> LossFn:
             dims_weights = dims_for_step(wrapper.matryoshka_dims, wrapper.matryoshka_weights, wrapper.n_dims_per_step)
-            return partial(matryoshka_loss_from_embeddings, step.draw(layer), dims_weights=dims_weights)
+            return partial(matryoshka_loss_from_embeddings, step.draw(), dims_weights=dims_weights)
 
         return replace(step, draw=draw)
 
@@ -170,6 +162,3 @@ def _refuse_nested_cached(loss: nn.Module) -> None:
             "own backward pass, which an outer MatryoshkaLoss cannot truncate. Give one MatryoshkaLoss all "
             "the dimensions instead."
         )
-
-
-register_cached_loss(MatryoshkaLoss, lambda loss: loss.cached_loss())

@@ -14,6 +14,7 @@ reach the batch only.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -443,7 +444,9 @@ class BatchSemiHardTripletLoss(_BatchTripletLoss):
 
 
 def triplet_settings(loss: nn.Module) -> tuple[TripletLossFunction, DistanceMetric, float] | None:
-    """(loss function, distance metric, margin) of a triplet loss, st_ext's or upstream's; else None."""
+    """(loss function, distance metric, margin) of a triplet loss, st_ext's or upstream's, or of a subclass that
+    keeps the upstream class's computation (``BatchHardSoftMarginTripletLoss`` overrides it: another loss);
+    else None."""
     if isinstance(loss, _BatchTripletLoss):
         return type(loss).loss_function, loss.distance_metric, loss.margin
     upstream = st_losses()
@@ -452,6 +455,15 @@ def triplet_settings(loss: nn.Module) -> tuple[TripletLossFunction, DistanceMetr
         (upstream.BatchHardTripletLoss, batch_hard_triplet_loss, "triplet_margin"),
         (upstream.BatchSemiHardTripletLoss, batch_semi_hard_triplet_loss, "margin"),
     ):
-        if type(loss) is upstream_class:
+        if isinstance(loss, upstream_class) and not _overrides_computation(type(loss), upstream_class):
             return function, loss.distance_metric, getattr(loss, margin_name)
     return None
+
+
+def _overrides_computation(loss_class: type, upstream_class: type) -> bool:
+    """Whether ``loss_class`` replaces a method of ``upstream_class`` other than its constructor and card."""
+    return any(
+        callable(method) and inspect.getattr_static(loss_class, name) is not method
+        for name, method in vars(upstream_class).items()
+        if name not in ("__init__", "get_config_dict")
+    )
