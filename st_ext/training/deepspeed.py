@@ -1,7 +1,7 @@
 """A Trainer's DeepSpeed set-up, checked when the trainer is built rather than found wrong after training.
 
 st_ext's cached losses train under every ZeRO stage, holding the reduction until the last mini-batch
-(:mod:`st_ext.training.gradient_sync`) through a parameter flag DeepSpeed reads from 0.17 on. What cannot work
+(:mod:`st_ext.gradient_sync`) through a parameter flag DeepSpeed reads from 0.17 on. What cannot work
 is refused here, in one line that says what does:
 
 * sentence-transformers' own cached losses return a loss without a ``grad_fn`` (DeepSpeed's
