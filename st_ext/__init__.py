@@ -111,26 +111,27 @@ def _public_names() -> list[str]:
     return sorted([name for name in _SOURCES if _has(name)] + list(_SUBMODULES)) + ["__version__"]
 
 
-def __getattr__(name: str) -> object:
-    """Load a public name on first use (see :data:`_SOURCES`); name the release an archetype needs where the
-    installed one lacks it."""
-    if name == "__all__":
-        return _public_names()
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _SOURCES:
-        from st_ext import _compat
+if not TYPE_CHECKING:  # a type checker reads the names above; an unknown name is its error, not `object`
 
-        error = _compat.missing_archetype_error(name)
-        if error is not None:
-            raise error
-        module = importlib.import_module(_SOURCES[name])
-        if hasattr(module, name):
-            value = getattr(module, name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> object:
+        """Load a public name on first use (see :data:`_SOURCES`); name the release an archetype needs where the
+        installed one lacks it."""
+        if name == "__all__":
+            return _public_names()
+        if name in _SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
+        if name in _SOURCES:
+            from st_ext import _compat
 
+            error = _compat.missing_archetype_error(name)
+            if error is not None:
+                raise error
+            module = importlib.import_module(_SOURCES[name])
+            if hasattr(module, name):
+                value = getattr(module, name)
+                globals()[name] = value
+                return value
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_public_names()})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_public_names()})

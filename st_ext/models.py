@@ -104,9 +104,11 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
         """Upstream ``MultiVectorEncoder`` (ColBERT-style late interaction) with checkpointing over its encoder."""
 
 
-def __getattr__(name: str):
-    """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
-    error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
-    if error is not None:
-        raise error
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # a type checker sees the archetypes the installed release has, and no other name
+
+    def __getattr__(name: str):
+        """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
+        error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
+        if error is not None:
+            raise error
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
