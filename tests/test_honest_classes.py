@@ -16,8 +16,7 @@ import pytest
 import sentence_transformers
 import torch
 from loss_checks import guide_from
-from tiny_models import bert_config, build_tokenizer, cross_encoder_from
-from transformers import BertForMaskedLM
+from tiny_models import cross_encoder_from
 
 import st_ext
 from st_ext import _compat, losses
@@ -58,16 +57,6 @@ def test_the_class_is_st_exts_own(name):
 
 
 # --- instances on tiny local models -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_mlm_dir(tmp_path_factory):
-    """A tiny BertForMaskedLM: SparseEncoder builds SPLADE on a masked-LM checkpoint."""
-    path = tmp_path_factory.mktemp("tiny_mlm")
-    torch.manual_seed(0)
-    BertForMaskedLM(bert_config()).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
 
 
 def cached_mnrl(model):
