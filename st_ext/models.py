@@ -78,6 +78,7 @@ class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTran
     model_card_data_class = model_card.SentenceTransformerModelCardData
 
     def __init__(self, *args: Any, model_card_data: Any = None, **kwargs: Any) -> None:
+        # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class.
         if model_card_data is None:
             card_options = {"local_files_only": kwargs.get("local_files_only", False)}
             model_card_data = self.model_card_data_class(

@@ -2,10 +2,10 @@
 
 Every fact is read from the installed upstream class, never from a version number: the order of
 its constructor's arguments (``CachedGISTEmbedLoss`` gained ``mini_batch_num_tokens`` before
-``show_progress_bar`` in 5.x), and what the card reads: the class's name, upstream's full name for its
-documentation link (kept by :mod:`st_ext.model_card`), ``get_config_dict()``
-and ``citation`` where the class has them. The classes stay st_ext's own: ``__module__``, pickling and
-``inspect`` name st_ext's files.
+``show_progress_bar`` in 5.x), and what the card reads: the class's name, the full name that links its
+documentation (upstream's, written by :mod:`st_ext.model_card`), ``get_config_dict()`` and ``citation``
+where the class has them. The classes stay st_ext's own: ``__module__``, pickling and ``inspect`` name
+st_ext's files.
 """
 
 from __future__ import annotations
@@ -107,9 +107,10 @@ class _Absent:
 
 
 def named_like_upstream(upstream_class: type, note: str | None = None) -> Callable[[type], type]:
-    """Class decorator: the model card (:mod:`st_ext.model_card`) names, links and cites the class as it does
-    ``upstream_class``, and ``citation``/``get_config_dict`` are hidden where upstream's class has none. With ``note``, the
-    class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext changes."""
+    """Class decorator: the model card names, links and cites the class as it does ``upstream_class``
+    (:mod:`st_ext.model_card`), and ``citation``/``get_config_dict`` are hidden where upstream's class has none.
+    With ``note``, the class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext
+    changes. The class itself is left st_ext's: its module, name and pickling are its own."""
 
     def decorate(cls: type) -> type:
         if cls.__name__ != upstream_class.__name__:
