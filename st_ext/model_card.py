@@ -24,8 +24,9 @@ def name_in_model_cards(cls: type, upstream_class: type) -> None:
 
 
 def card_name(loss: Any) -> str:
-    """The full name a model card gives ``loss``: its upstream namesake's, else its class's."""
-    return fullname(_UPSTREAM_NAMESAKES.get(type(loss), type(loss)))
+    """The full name a model card gives ``loss``: its upstream namesake's, else upstream's ``fullname``."""
+    namesake = _UPSTREAM_NAMESAKES.get(type(loss))
+    return fullname(loss) if namesake is None else f"{namesake.__module__}.{namesake.__name__}"
 
 
 class SentenceTransformerModelCardData(sentence_transformers.SentenceTransformerModelCardData):

@@ -312,7 +312,7 @@ def test_auto_errors_say_what_to_change(model):
 def test_auto_shows_in_the_model_card_config(model):
     loss = cmnrl(model, "auto", memory_budget_mb=256)
     assert loss.get_config_dict()["mini_batch_size"] == "auto"
-    assert card_name(loss) == fullname(upstream.CachedMultipleNegativesRankingLoss)
+    assert card_name(loss) == fullname(upstream.CachedMultipleNegativesRankingLoss(model))
 
 
 def test_a_frozen_encoder_gets_each_column_in_the_planned_pieces(model):
