@@ -127,10 +127,12 @@ if not TYPE_CHECKING:  # a type checker reads the names above; an unknown name i
             if error is not None:
                 raise error
             module = importlib.import_module(_SOURCES[name])
-            if hasattr(module, name):
-                value = getattr(module, name)
-                globals()[name] = value
-                return value
+            if not hasattr(module, name):
+                installed = _distribution_version("sentence-transformers")
+                raise AttributeError(f"{name} is not in the installed sentence-transformers {installed}", name=name)
+            value = getattr(module, name)
+            globals()[name] = value
+            return value
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:

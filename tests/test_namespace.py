@@ -96,6 +96,16 @@ def test_unknown_names_and_upstream_module_paths_are_not_st_ext_s():
     assert not [finder for finder in sys.meta_path if type(finder).__module__.startswith("st_ext")]
 
 
+@pytest.mark.parametrize(
+    "name", sorted(name for name in st_ext._UPSTREAM_NAMES if not hasattr(sentence_transformers, name))
+)
+def test_an_upstream_name_the_installed_release_lacks_says_so(name):
+    """A newer release's name (``resolve_ids`` on 4.x) is not offered, and asking for it names the release."""
+    assert name not in st_ext.__all__ and not hasattr(st_ext, name)
+    with pytest.raises(AttributeError, match=rf"^{name} is not in the installed sentence-transformers "):
+        getattr(st_ext, name)
+
+
 def test_importing_st_ext_does_not_import_torch():
     """``st-ext --help`` stays fast: the public names load on first use, not on ``import st_ext``."""
     heavy = "{'torch', 'sentence_transformers'}"
