@@ -48,10 +48,8 @@ import sentence_transformers
 import torch
 import transformers
 
-from st_ext import SentenceTransformer
-from st_ext import losses as st_losses
-from st_ext._compat import preprocess, st_modules
-from st_ext._compat import st_losses as upstream_losses_module
+from st_ext import SentenceTransformer, losses as st_losses
+from st_ext._compat import preprocess, st_losses as upstream_losses_module, st_modules
 from st_ext.memory import measure_peak
 
 up_losses = upstream_losses_module()

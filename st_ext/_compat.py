@@ -280,12 +280,6 @@ def is_fsdp2_module(module: nn.Module) -> bool:
     return fsdp_module is not None and isinstance(module, fsdp_module)
 
 
-def defined_in(value: Any, module: ModuleType) -> bool:
-    """Whether ``value`` (a class or function) was defined in ``module`` rather than imported into it: Python
-    records the defining module's name in ``__module__``, the only trace of it for a module without ``__all__``."""
-    return getattr(value, "__module__", None) == module.__name__
-
-
 def all_gather_with_grad() -> Callable[[Tensor], Tensor] | None:
     """sentence-transformers' differentiable all-gather, or None where the installed release lacks it."""
     return getattr(st_util, "all_gather_with_grad", None)

@@ -7,21 +7,50 @@ the switches upstream lacks somewhere in the supported range: transformers 4's
 has ``disable``) and transformers 5's ``activation_checkpointing_*``, all reaching every Hugging Face
 model in the tree (:mod:`st_ext.checkpointing`).
 
-This module also stands in for upstream's ``sentence_transformers.models`` (``Transformer``,
-``Pooling``…): every other name reads through to upstream's namespace, and ``__path__`` lets its
-submodule paths (``st_ext.models.tokenizer``…) import through :mod:`st_ext._upstream_aliases`.
+``SentenceTransformer`` writes its model card with :class:`st_ext.model_card.SentenceTransformerModelCardData`
+unless given card data, so that the card names st_ext's losses as the upstream losses they replace.
+
+So that ``from st_ext.models import Transformer, Pooling`` works as upstream's ``models`` import, this module
+also offers upstream's module classes (``sentence_transformers.models`` before 6.0,
+``sentence_transformers.sentence_transformer.modules`` since), as upstream's own objects. Upstream's submodule
+paths (``sentence_transformers.models.tokenizer``…) are imported from ``sentence_transformers``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any
 
 import sentence_transformers
 
-from st_ext import _compat, _upstream_aliases, checkpointing
+from st_ext import _compat, checkpointing, model_card
 
-#: No files of its own: upstream's submodule paths below ``models`` are found by st_ext's alias finder.
-__path__: list[str] = []
+if TYPE_CHECKING:  # upstream's module classes as 6.x places them; at run time, the installed release's
+    from sentence_transformers.sentence_transformer.modules import (
+        CNN as CNN,
+        LSTM as LSTM,
+        Asym as Asym,
+        BoW as BoW,
+        CLIPModel as CLIPModel,
+        Dense as Dense,
+        Dropout as Dropout,
+        InputModule as InputModule,
+        LayerNorm as LayerNorm,
+        Module as Module,
+        Normalize as Normalize,
+        Pooling as Pooling,
+        Router as Router,
+        StaticEmbedding as StaticEmbedding,
+        Transformer as Transformer,
+        WeightedLayerPooling as WeightedLayerPooling,
+        WordEmbeddings as WordEmbeddings,
+        WordWeights as WordWeights,
+    )
+
+_upstream_modules = _compat.st_modules()
+#: Upstream's module classes of the installed release (its ``__all__``), offered here as upstream's objects.
+UPSTREAM_MODULE_NAMES = [name for name in _upstream_modules.__all__ if not name.startswith("_")]
+globals().update({name: getattr(_upstream_modules, name) for name in UPSTREAM_MODULE_NAMES})
 
 
 class CheckpointingMixin:
@@ -43,7 +72,21 @@ class CheckpointingMixin:
 
 
 class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTransformer):
-    """Upstream ``SentenceTransformer`` with checkpointing over every module (see the module docstring)."""
+    """Upstream ``SentenceTransformer`` with checkpointing over every module, whose model card names st_ext's
+    losses as upstream's (see the module docstring)."""
+
+    model_card_data_class = model_card.SentenceTransformerModelCardData
+
+    def __init__(self, *args: Any, model_card_data: Any = None, **kwargs: Any) -> None:
+        # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class.
+        if model_card_data is None:
+            card_options = {"local_files_only": kwargs.get("local_files_only", False)}
+            model_card_data = self.model_card_data_class(
+                **_compat.accepted_kwargs(self.model_card_data_class, card_options)
+            )
+        super().__init__(*args, model_card_data=model_card_data, **kwargs)
+
+    __init__.__signature__ = inspect.signature(sentence_transformers.SentenceTransformer.__init__)
 
 
 class CrossEncoder(CheckpointingMixin, sentence_transformers.CrossEncoder):
@@ -62,18 +105,11 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
         """Upstream ``MultiVectorEncoder`` (ColBERT-style late interaction) with checkpointing over its encoder."""
 
 
-def __getattr__(name: str):
-    """Upstream's ``models`` names (``Transformer``, ``Pooling``…); name the sentence-transformers release
-    an archetype needs when the installed one lacks it."""
-    error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
-    if error is not None:
-        raise error
-    if not name.startswith("_"):
-        value = _upstream_aliases.resolve(__name__, _compat.st_modules(), name)
-        if value is not _upstream_aliases.MISSING:
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # a type checker sees the archetypes the installed release has, and no other name
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *(name for name in dir(_compat.st_modules()) if not name.startswith("_"))})
+    def __getattr__(name: str):
+        """Name the sentence-transformers release an archetype needs when the installed one lacks it."""
+        error = _compat.missing_archetype_error(name) if name in _compat.ARCHETYPE_SINCE else None
+        if error is not None:
+            raise error
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-from tiny_models import save_tiny_bert, sentence_transformer_from
+from tiny_models import bert_config, build_tokenizer, save_tiny_bert, sentence_transformer_from
+from transformers import BertForMaskedLM
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,6 +81,16 @@ def guide(guide_dir):
     from loss_checks import guide_from
 
     return guide_from(guide_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mlm_dir(tmp_path_factory):
+    """A 2-layer tiny BertForMaskedLM with its tokenizer; SparseEncoder builds SPLADE on it (MLM + SpladePooling)."""
+    path = tmp_path_factory.mktemp("tiny_mlm")
+    torch.manual_seed(0)
+    BertForMaskedLM(bert_config()).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,7 @@ import pytest
 import sentence_transformers
 import torch
 from test_trainer import RecordCheckpointing, pair_dataset, scored_pair_dataset, training_args
-from tiny_models import SENTENCES, bert_config, build_tokenizer, cross_encoder_from, sentence_transformer_from
-from transformers import BertForMaskedLM
+from tiny_models import SENTENCES, cross_encoder_from, sentence_transformer_from
 
 import st_ext
 import st_ext.models
@@ -58,16 +57,6 @@ def archetypes(*names: str) -> list:
         )
         for name in names
     ]
-
-
-@pytest.fixture(scope="module")
-def tiny_mlm_dir(tmp_path_factory):
-    """A 2-layer tiny BertForMaskedLM with its tokenizer; SparseEncoder builds SPLADE on it (MLM + SpladePooling)."""
-    path = tmp_path_factory.mktemp("tiny_mlm")
-    torch.manual_seed(0)
-    BertForMaskedLM(bert_config()).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
 
 
 def build(archetype: str, request, upstream: bool = False):

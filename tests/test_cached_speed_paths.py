@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 from loss_checks import NoDeviceReads, assert_same_grads, features_of, loss_and_grads, text_columns
+from sentence_transformers.util import fullname
 from torch import nn
 
 from st_ext import losses
@@ -24,6 +25,7 @@ from st_ext.losses import auto_mini_batch
 from st_ext.losses.features import layout_of, minibatch_features
 from st_ext.losses.minibatches import can_merge, plan_minibatches
 from st_ext.memory import measure_peak
+from st_ext.model_card import card_name
 
 upstream = st_losses()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -310,7 +312,7 @@ def test_auto_errors_say_what_to_change(model):
 def test_auto_shows_in_the_model_card_config(model):
     loss = cmnrl(model, "auto", memory_budget_mb=256)
     assert loss.get_config_dict()["mini_batch_size"] == "auto"
-    assert type(loss).__module__ == upstream.CachedMultipleNegativesRankingLoss.__module__
+    assert card_name(loss) == fullname(upstream.CachedMultipleNegativesRankingLoss(model))
 
 
 def test_a_frozen_encoder_gets_each_column_in_the_planned_pieces(model):

@@ -44,3 +44,10 @@ def test_the_cli_extra_is_what_the_cli_imports():
     }
     assert extra == set(CLI_EXTRA_MODULES.values())
     assert not extra & {requirement.split(">")[0].split("=")[0].strip() for requirement in project["dependencies"]}
+
+
+def test_the_package_ships_its_type_marker():
+    """PEP 561: ``py.typed`` is in the package and pyproject has setuptools put it in the wheel."""
+    assert (ROOT / "st_ext" / "py.typed").is_file()
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in package_data["st_ext"]

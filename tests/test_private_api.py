@@ -167,12 +167,6 @@ STRING_MATCHERS = frozenset(
 #: The attributes that name a class or function, and the one that names the module that defined it.
 NAME_ATTRIBUTES = frozenset({"__name__", "__qualname__"})
 
-#: Pending: sites in modules that are being rewritten elsewhere; each moves to the ``_compat`` function
-#: named beside it, and its entry goes then. (file, what the check reports without its line number)
-PENDING = {
-    ("_upstream_aliases.py", "__module__ compared"): "_compat.defined_in",
-}
-
 
 def is_internal_name(name: str) -> bool:
     return name in INTERNAL_NAMES or DEEPSPEED_ATTRIBUTE.fullmatch(name) is not None
@@ -238,18 +232,12 @@ def internal_uses(tree: ast.AST) -> list[str]:
     ids=lambda path: str(path.relative_to(PACKAGE_DIR)),
 )
 def test_internals_with_public_names_are_read_in_compat_only(path):
-    relative = str(path.relative_to(PACKAGE_DIR))
-    uses = [use for use in internal_uses(SOURCES[path]) if (relative, use.split(": ", 1)[1]) not in PENDING]
+    uses = internal_uses(SOURCES[path])
     assert not uses, (
         f"{path.relative_to(PACKAGE_DIR.parent)} reads library internals or tells objects apart by module or "
         f"name: {uses}. Put the reading in a named function in st_ext/_compat.py, whose docstring says which "
         "library and release it reads."
     )
-
-
-def test_every_pending_site_has_its_compat_function():
-    missing = [function for function in PENDING.values() if not hasattr(_compat, function.split(".", 1)[1])]
-    assert not missing
 
 
 def test_the_check_finds_each_kind_of_internal_use():

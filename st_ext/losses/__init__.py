@@ -16,7 +16,37 @@ upstream's name, documentation link and parameters (:mod:`st_ext.losses._signatu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from st_ext._compat import st_losses as _st_losses
+
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's (its __all__)
+    from sentence_transformers.sentence_transformer.losses import (
+        AnglELoss as AnglELoss,
+        BatchHardSoftMarginTripletLoss as BatchHardSoftMarginTripletLoss,
+        BatchHardTripletLossDistanceFunction as BatchHardTripletLossDistanceFunction,
+        ContrastiveLoss as ContrastiveLoss,
+        ContrastiveTensionDataLoader as ContrastiveTensionDataLoader,
+        ContrastiveTensionLoss as ContrastiveTensionLoss,
+        ContrastiveTensionLossInBatchNegatives as ContrastiveTensionLossInBatchNegatives,
+        CoSENTLoss as CoSENTLoss,
+        CosineSimilarityLoss as CosineSimilarityLoss,
+        DenoisingAutoEncoderLoss as DenoisingAutoEncoderLoss,
+        DistillKLDivLoss as DistillKLDivLoss,
+        EmbedDistillLoss as EmbedDistillLoss,
+        GlobalOrthogonalRegularizationLoss as GlobalOrthogonalRegularizationLoss,
+        MarginMSELoss as MarginMSELoss,
+        MegaBatchMarginLoss as MegaBatchMarginLoss,
+        MSELoss as MSELoss,
+        MultipleNegativesRankingLoss as MultipleNegativesRankingLoss,
+        MultipleNegativesSymmetricRankingLoss as MultipleNegativesSymmetricRankingLoss,
+        OnlineContrastiveLoss as OnlineContrastiveLoss,
+        SiameseDistanceMetric as SiameseDistanceMetric,
+        SoftmaxLoss as SoftmaxLoss,
+        TripletDistanceMetric as TripletDistanceMetric,
+        TripletLoss as TripletLoss,
+    )
+
 
 _upstream_losses = _st_losses()
 _UPSTREAM_NAMES = [name for name in _upstream_losses.__all__ if not name.startswith("_")]

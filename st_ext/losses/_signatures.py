@@ -2,21 +2,22 @@
 
 Every fact is read from the installed upstream class, never from a version number: the order of
 its constructor's arguments (``CachedGISTEmbedLoss`` gained ``mini_batch_num_tokens`` before
-``show_progress_bar`` in 5.x), and what the card reads: the class's ``__module__`` and ``__name__``
-(the documentation link only for a module under ``sentence_transformers.``), ``get_config_dict()``
-and ``citation`` where the class has them. The price of upstream's ``__module__``: ``repr(cls)`` and
-``inspect.getsource`` show upstream's; ``cls.st_ext_module`` names the real module (pickling uses it).
+``show_progress_bar`` in 5.x), and what the card reads: the class's name, the full name that links its
+documentation (upstream's, written by :mod:`st_ext.model_card`), ``get_config_dict()`` and ``citation``
+where the class has them. The classes stay st_ext's own: ``__module__``, pickling and ``inspect`` name
+st_ext's files.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from st_ext.model_card import name_in_model_cards
 
 #: Stands in for a cached loss while upstream's constructor of a wrapper runs its checks, so that it never sees,
 #: warns about or decorates the cached loss itself.
@@ -105,34 +106,18 @@ class _Absent:
         raise AttributeError(f"{(owner or type(instance)).__name__} has no {self.name!r}, as upstream's has none.")
 
 
-def _rebuild(module_name: str, qualified_name: str) -> Any:
-    cls = importlib.import_module(module_name)
-    for part in qualified_name.split("."):
-        cls = getattr(cls, part)
-    return cls.__new__(cls)
-
-
-def _reduce_ex(self: Any, protocol: int) -> tuple:
-    """Pickle by st_ext's own module: by ``__module__``, pickle would find upstream's class."""
-    cls = type(self)
-    module = cls.__dict__.get("st_ext_module", cls.__module__)  # a user's subclass lives in its own module
-    _, _, *state = object.__reduce_ex__(self, max(protocol, 2))
-    return (_rebuild, (module, cls.__qualname__), *state)
-
-
 def named_like_upstream(upstream_class: type, note: str | None = None) -> Callable[[type], type]:
-    """Class decorator: the model card names, links and cites the class as it does ``upstream_class``,
-    and ``citation``/``get_config_dict`` are hidden where upstream's class has none. With ``note``, the
-    class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext changes."""
+    """Class decorator: the model card names, links and cites the class as it does ``upstream_class``
+    (:mod:`st_ext.model_card`), and ``citation``/``get_config_dict`` are hidden where upstream's class has none.
+    With ``note``, the class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext
+    changes. The class itself is left st_ext's: its module, name and pickling are its own."""
 
     def decorate(cls: type) -> type:
         if cls.__name__ != upstream_class.__name__:
             raise TypeError(f"{cls.__name__} cannot be named like {upstream_class.__name__}.")
         if note is not None:
             cls.__doc__ = f"{upstream_class.__doc__ or upstream_class.__init__.__doc__ or ''}\n\n    st_ext: {note}\n"
-        cls.st_ext_module = cls.__module__
-        cls.__module__ = upstream_class.__module__
-        cls.__reduce_ex__ = _reduce_ex
+        name_in_model_cards(cls, upstream_class)
         for name in CARD_ATTRIBUTES:
             if not hasattr(upstream_class, name):
                 setattr(cls, name, _Absent(name))

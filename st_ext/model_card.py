@@ -1,0 +1,40 @@
+"""Model cards that name each st_ext loss as the upstream loss it replaces.
+
+Upstream's card names a loss by its class's module and name, and links the loss's documentation only for a
+module under ``sentence_transformers.``. st_ext's losses are st_ext's own classes (they pickle and show their
+source by st_ext's path), so the card data of st_ext's models writes that one value, the loss's full name, as
+the upstream class's (each loss declares its namesake with :func:`name_in_model_cards`). Tags, citations and
+parameters come from the loss, as they do upstream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sentence_transformers
+from sentence_transformers.util import fullname
+
+#: Each st_ext class and the upstream class whose full name model cards show for it.
+_UPSTREAM_NAMESAKES: dict[type, type] = {}
+
+
+def name_in_model_cards(cls: type, upstream_class: type) -> None:
+    """Have model cards name ``cls`` (exactly; a subclass is named as itself) as ``upstream_class``."""
+    _UPSTREAM_NAMESAKES[cls] = upstream_class
+
+
+def card_name(loss: Any) -> str:
+    """The full name a model card gives ``loss``: its upstream namesake's, else upstream's ``fullname``."""
+    namesake = _UPSTREAM_NAMESAKES.get(type(loss))
+    return fullname(loss) if namesake is None else f"{namesake.__module__}.{namesake.__name__}"
+
+
+class SentenceTransformerModelCardData(sentence_transformers.SentenceTransformerModelCardData):
+    """Upstream's ``SentenceTransformerModelCardData``, naming st_ext's losses as their upstream namesakes."""
+
+    def compute_dataset_metrics(
+        self, dataset: Any, dataset_info: dict[str, Any], loss: Any, *args: Any, **kwargs: Any
+    ):
+        dataset_info = super().compute_dataset_metrics(dataset, dataset_info, loss, *args, **kwargs)
+        dataset_info["loss"]["fullname"] = card_name(loss)
+        return dataset_info
