@@ -39,10 +39,6 @@ Encoder = Callable[[nn.Module, Features], list[Tensor]]
 CandidatesFn = Callable[[list, list[Reps]], list[Reps]]
 
 
-def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
-    return [model(features)["sentence_embedding"]]
-
-
 def no_candidates(sources: list, outputs: list[Reps]) -> list[Reps]:
     return [[] for _ in outputs]
 
@@ -55,20 +51,15 @@ class LossStep:
     (Matryoshka's dimensions); ``over_outputs`` (None: ``draw()`` over the first output) is the loss over
     every output, for an encoder with several; ``candidates`` adds columns to each output's reps (module
     docstring); ``finish(sources, outputs)`` runs once the step's loss is computed, with every output's
-    :data:`Reps` (without the added columns); ``encoder`` embeds each mini-batch.
+    :data:`Reps` (without the added columns); ``encoder`` (None: the model's sentence embedding alone)
+    embeds each mini-batch.
     """
 
     draw: Callable[[], LossFn]
     finish: Callable[[list, list[Reps]], None] = lambda sources, outputs: None
-    encoder: Encoder = sentence_embedding
+    encoder: Encoder | None = None
     candidates: CandidatesFn = no_candidates
     over_outputs: OutputsLossFn | None = None
-
-    def loss(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
-        """The step's loss over the encoder's outputs (each with its added columns)."""
-        if self.over_outputs is not None:
-            return self.over_outputs(outputs, labels, with_backward=with_backward)
-        return self.draw()(outputs[0], labels, with_backward=with_backward)
 
 
 @dataclass(frozen=True)

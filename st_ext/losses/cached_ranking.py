@@ -24,6 +24,8 @@ from st_ext.losses.gradcache import Features, gradcache_forward
 from st_ext.losses.overrides import upstream_hook_overrides
 
 _upstream = st_losses()
+#: 5.7+'s shared GradCache base (None before): every loss on it takes the labels in ``calculate_loss``.
+_CACHED_LOSS_MIXIN = upstream_cached_loss_mixin()
 
 #: Stands in for ``"auto"`` while upstream's constructor runs (it may check that the size is a number).
 _PLACEHOLDER_SIZE = 32
@@ -51,20 +53,21 @@ class CachedRankingMixin:
             self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
         )
         self.memory_budget_mb = memory_budget_mb
-        upstream_hook_overrides(self, upstream_class)
+        # Whether upstream's forward must run this loss: fixed by its class, so decided once, here.
+        self._runs_upstream_forward = bool(upstream_hook_overrides(self, upstream_class))
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
         if len(sentence_features) < 2:
             raise ValueError(f"Expected at least 2 inputs, got {len(sentence_features)}")
-        if upstream_hook_overrides(self, self.st_ext_upstream_class):
+        if self._runs_upstream_forward:
             return super().forward(sentence_features, labels)
         return gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss | None:
         """This loss for the engine and the wrappers around it; None for a subclass that overrides a step of
         upstream's engine, which only upstream's forward calls."""
-        return None if upstream_hook_overrides(self, self.st_ext_upstream_class) else upstream_cached_loss(self)
+        return None if self._runs_upstream_forward else upstream_cached_loss(self)
 
 
 def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
@@ -76,9 +79,8 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
     the instance's (the loss runs itself, and upstream's wrapper may have decorated it). It scores every
     document column it is given: a column a wrapper adds (a cross-batch memory's queue) is more candidates.
     """
-    mixin = upstream_cached_loss_mixin()
-    # 5.7+'s shared base: every such loss takes the labels (MegaBatchMarginLoss ignores them).
-    takes_labels = mixin is not None and isinstance(loss, mixin)
+    # MegaBatchMarginLoss takes the labels too, and ignores them.
+    takes_labels = _CACHED_LOSS_MIXIN is not None and isinstance(loss, _CACHED_LOSS_MIXIN)
 
     def start(sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
         sized = with_chunk_size(loss, mini_batch_size)

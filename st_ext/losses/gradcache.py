@@ -108,6 +108,11 @@ def column_layouts(model: nn.Module, sentence_features: Sequence[Features]) -> l
         raise UnsliceableFeatureError(f"{error} The features come from {name}.") from None
 
 
+def sentence_embedding(model: nn.Module, features: Features) -> list[Tensor]:
+    """What a mini-batch is embedded to unless the loss brings its own encoder."""
+    return [model(features)["sentence_embedding"]]
+
+
 def embed_minibatches(
     model: nn.Module,
     sentence_features: Sequence[Features],
@@ -211,14 +216,17 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
     # Before the passes that embed the features (the auto mode's probes embed copies): the loss and its frozen
     # encoders read them before a module edits them in place.
     step = loss.start(sentence_features, plan.column_ranges(), batching.size)
-    encoder = step.encoder
+    encoder = step.encoder or sentence_embedding
 
     def sources() -> list:
         return [None, *(getattr(encoder, "layers", None) or [])]
 
     def loss_over(outputs: list[Reps], *, with_backward: bool) -> Tensor:
         extra = step.candidates(sources(), outputs)
-        return step.loss([reps + added for reps, added in zip(outputs, extra)], labels, with_backward=with_backward)
+        outputs = [reps + added for reps, added in zip(outputs, extra)]
+        if step.over_outputs is not None:
+            return step.over_outputs(outputs, labels, with_backward=with_backward)
+        return step.draw()(outputs[0], labels, with_backward=with_backward)
 
     def finished(outputs: list[Reps], value: Tensor) -> Tensor:
         step.finish(sources(), outputs)

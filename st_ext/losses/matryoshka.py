@@ -67,20 +67,6 @@ def matryoshka_loss_from_embeddings(
     return total
 
 
-def matryoshka(description: CachedLoss, wrapper: MatryoshkaLoss) -> CachedLoss:
-    """``description`` trained at ``wrapper``'s dimensions, drawn per call of its loss over embeddings
-    (per layer, under a layer-wise loss)."""
-
-    def over_dimensions(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
-        def draw() -> LossFn:
-            dims_weights = dims_for_step(wrapper.matryoshka_dims, wrapper.matryoshka_weights, wrapper.n_dims_per_step)
-            return partial(matryoshka_loss_from_embeddings, step.draw(), dims_weights=dims_weights)
-
-        return replace(step, draw=draw)
-
-    return with_loss(description, type(wrapper).__name__, over_dimensions)
-
-
 _NOTE = (
     "over a cached loss (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``, "
     "``CachedGISTEmbedLoss``, upstream's or st_ext's; on 5.7+ every loss on upstream's GradCache base such as "
@@ -119,8 +105,23 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         return gradcache_forward(self.cached_loss(), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss | None:
-        """This loss for the engine (None: upstream's implementation runs it)."""
-        return matryoshka(as_cached_loss(self.loss), self) if self._on_st_ext_engine else None
+        """This loss for the engine (None: upstream's implementation runs it): the wrapped loss, trained at this
+        loss's dimensions."""
+        if not self._on_st_ext_engine:
+            return None
+        return with_loss(as_cached_loss(self.loss), type(self).__name__, self._over_dimensions)
+
+    def _over_dimensions(
+        self, step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int
+    ) -> LossStep:
+        """The wrapped loss's step, its dimensions drawn per call of its loss over embeddings (per layer, under
+        a layer-wise loss)."""
+
+        def draw() -> LossFn:
+            dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
+            return partial(matryoshka_loss_from_embeddings, step.draw(), dims_weights=dims_weights)
+
+        return replace(step, draw=draw)
 
 
 def _check_inner_loss(model: nn.Module, loss: Any) -> None:

@@ -28,7 +28,8 @@ def upstream_hook_overrides(loss: nn.Module, upstream_class: type) -> tuple[str,
     When one is replaced, ``loss`` must run ``upstream_class.forward``: this raises ValueError where that
     cannot work (``loss`` is st_ext's own implementation under upstream's name, or uses
     ``mini_batch_size="auto"``, which upstream's forward cannot resolve), and otherwise warns, once per
-    class, that st_ext's engine is bypassed. Called at construction (to refuse early) and in ``forward``.
+    class, that st_ext's engine is bypassed. st_ext's classes call it once, at construction; a wrapper
+    asks it of upstream's instances when it describes them.
     """
     loss_class = type(loss)
     overridden = tuple(
