@@ -3,8 +3,9 @@
 Upstream's card names a loss by its class's module and name, and links the loss's documentation only for a
 module under ``sentence_transformers.``. st_ext's losses are st_ext's own classes (they pickle and show their
 source by st_ext's path), so the card data of st_ext's models writes that one value, the loss's full name, as
-the upstream class's (each loss declares its namesake with :func:`name_in_model_cards`). Tags, citations and
-parameters come from the loss, as they do upstream.
+the upstream class's: the one its class declares as ``model_card_namesake`` (set by
+:func:`st_ext.losses._signatures.named_like_upstream`). Tags, citations and parameters come from the loss, as they
+do upstream.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ from typing import Any
 import sentence_transformers
 from sentence_transformers.util import fullname
 
-#: Each st_ext class and the upstream class whose full name model cards show for it.
-_UPSTREAM_NAMESAKES: dict[type, type] = {}
-
-
-def name_in_model_cards(cls: type, upstream_class: type) -> None:
-    """Have model cards name ``cls`` (exactly; a subclass is named as itself) as ``upstream_class``."""
-    _UPSTREAM_NAMESAKES[cls] = upstream_class
+#: The class attribute in which an st_ext loss names the upstream class that model cards show for it.
+NAMESAKE_ATTRIBUTE = "model_card_namesake"
 
 
 def card_name(loss: Any) -> str:
-    """The full name a model card gives ``loss``: its upstream namesake's, else upstream's ``fullname``."""
-    namesake = _UPSTREAM_NAMESAKES.get(type(loss))
+    """The full name a model card gives ``loss``: the upstream namesake its own class declares (a user's subclass
+    is named as itself), else upstream's ``fullname``."""
+    namesake = vars(type(loss)).get(NAMESAKE_ATTRIBUTE)
     return fullname(loss) if namesake is None else f"{namesake.__module__}.{namesake.__name__}"
 
 

@@ -71,22 +71,27 @@ class CheckpointingMixin:
     is_gradient_checkpointing = is_activation_checkpointing = property(checkpointing.is_enabled)
 
 
+_UPSTREAM_SENTENCE_TRANSFORMER_INIT = inspect.signature(sentence_transformers.SentenceTransformer.__init__)
+
+
 class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTransformer):
     """Upstream ``SentenceTransformer`` with checkpointing over every module, whose model card names st_ext's
     losses as upstream's (see the module docstring)."""
 
     model_card_data_class = model_card.SentenceTransformerModelCardData
 
-    def __init__(self, *args: Any, model_card_data: Any = None, **kwargs: Any) -> None:
-        # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class.
-        if model_card_data is None:
-            card_options = {"local_files_only": kwargs.get("local_files_only", False)}
-            model_card_data = self.model_card_data_class(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class. Arguments
+        # are bound as upstream binds them, so a positional model_card_data is seen too.
+        bound = _UPSTREAM_SENTENCE_TRANSFORMER_INIT.bind(self, *args, **kwargs)
+        if bound.arguments.get("model_card_data") is None:
+            card_options = {"local_files_only": bound.arguments.get("local_files_only", False)}
+            bound.arguments["model_card_data"] = self.model_card_data_class(
                 **_compat.accepted_kwargs(self.model_card_data_class, card_options)
             )
-        super().__init__(*args, model_card_data=model_card_data, **kwargs)
+        super().__init__(*bound.args[1:], **bound.kwargs)
 
-    __init__.__signature__ = inspect.signature(sentence_transformers.SentenceTransformer.__init__)
+    __init__.__signature__ = _UPSTREAM_SENTENCE_TRANSFORMER_INIT
 
 
 class CrossEncoder(CheckpointingMixin, sentence_transformers.CrossEncoder):

@@ -132,6 +132,13 @@ def test_a_model_card_data_instance_pickles_and_deep_copies(model):
     assert_round_trips(model.model_card_data, st_ext.SentenceTransformerModelCardData)
     given = sentence_transformers.SentenceTransformerModelCardData(language="en")
     assert st_ext.SentenceTransformer(modules=list(model), model_card_data=given).model_card_data is given
+    # Positionally where upstream's constructor takes it so (4.x): the user's card data is kept, never replaced.
+    parameters = inspect.signature(sentence_transformers.SentenceTransformer.__init__).parameters
+    if parameters["model_card_data"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        names = list(parameters)[1:]
+        positional = [None] * names.index("model_card_data")
+        positional[names.index("modules")] = list(model)
+        assert st_ext.SentenceTransformer(*positional, given).model_card_data is given
 
 
 def round_trip(instance) -> tuple | type[Exception]:

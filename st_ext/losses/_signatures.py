@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from st_ext.model_card import name_in_model_cards
+from st_ext.model_card import NAMESAKE_ATTRIBUTE
 
 #: Stands in for a cached loss while upstream's constructor of a wrapper runs its checks, so that it never sees,
 #: warns about or decorates the cached loss itself.
@@ -117,7 +117,7 @@ def named_like_upstream(upstream_class: type, note: str | None = None) -> Callab
             raise TypeError(f"{cls.__name__} cannot be named like {upstream_class.__name__}.")
         if note is not None:
             cls.__doc__ = f"{upstream_class.__doc__ or upstream_class.__init__.__doc__ or ''}\n\n    st_ext: {note}\n"
-        name_in_model_cards(cls, upstream_class)
+        setattr(cls, NAMESAKE_ATTRIBUTE, upstream_class)
         for name in CARD_ATTRIBUTES:
             if not hasattr(upstream_class, name):
                 setattr(cls, name, _Absent(name))
