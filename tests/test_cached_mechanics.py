@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +28,9 @@ from tiny_models import save_tiny_bert, sentence_transformer_from
 from torch import nn
 
 import st_ext
-from st_ext import losses
+from st_ext import _compat, losses
 from st_ext._compat import separate_column_forwards, st_losses, st_modules
+from st_ext.gradient_sync import gradient_sync
 from st_ext.losses.cached_loss import CachedLoss, LossStep
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.gradcache import gradcache_forward
@@ -679,3 +682,35 @@ def test_replay_restores_the_generator_of_a_device_other_than_cpu_and_cuda(monke
     assert torch.equal(accelerator.get_rng_state(), outer), "the replay left the accelerator's generator moved"
     torch.testing.assert_close(value.detach(), expected_value.detach())
     assert_same_grads((value.detach(), actual), (expected_value.detach(), expected))
+
+
+@pytest.fixture
+def deepspeed_imported(monkeypatch):
+    """The process has imported DeepSpeed (transformers imports it when it saves a model, wherever it is
+    installed); its gradient flags are recorded, not set."""
+    monkeypatch.setitem(sys.modules, "deepspeed", sys.modules.get("deepspeed") or types.ModuleType("deepspeed"))
+    marked = []
+
+    def record(parameters, ready):
+        marked.append((len(list(parameters)), ready))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(_compat, "deepspeed_gradients_ready", record)
+    return marked
+
+
+def test_a_process_that_only_imported_deepspeed_marks_no_parameter(deepspeed_imported):
+    assert not torch.distributed.is_initialized()
+    with gradient_sync(nn.Linear(2, 2), sync=False):
+        pass
+    assert deepspeed_imported == []
+
+
+def test_under_a_process_group_deepspeed_gradients_are_held(deepspeed_imported, tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with gradient_sync(nn.Linear(2, 2), sync=False):
+            pass
+    finally:
+        torch.distributed.destroy_process_group()
+    assert deepspeed_imported == [(2, False)]
