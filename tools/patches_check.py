@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tests"))
 from _upstream_source import sdist_path, unpack_sdist  # noqa: E402  (the tests' sdist cache and unpacking)
-from upstream_test_selection import callable_methods, changed_targets  # noqa: E402
+from upstream_test_selection import callable_methods, changed_targets, changed_tests  # noqa: E402
 
 WORK = ROOT / ".venv" / "patch-trees"
 REPORT = ROOT / "runs" / "patches-check.md"
@@ -241,7 +241,13 @@ def hub_cache(series: Series, python: Path) -> Path:
 
 
 def pytest_outcomes(
-    series: Series, python: Path, tree: Path, files: list[str], tag: str, cache: Path | None = None
+    series: Series,
+    python: Path,
+    tree: Path,
+    files: list[str],
+    tag: str,
+    cache: Path | None = None,
+    options: list[str] | None = None,
 ) -> dict[str, str]:
     """``{test id: "passed" | "failed" | "skipped"}`` for ``files``, run with the tree's package first on the path."""
     if not files:
@@ -251,7 +257,17 @@ def pytest_outcomes(
     env = {**os.environ, **series.environment, "PYTHONPATH": str(source_root(tree)), "HF_HUB_OFFLINE": "1"}
     if cache is not None:
         env["HF_HUB_CACHE"] = str(cache)
-    command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files]
+    command = [
+        str(python),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+        *(options or []),
+        *files,
+    ]
     subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if not report.exists():
         return {file: "failed" for file in files}
@@ -335,9 +351,9 @@ def check_patch(
     result = PatchResult(series.name, patch.name[:4])
     ci_name, ci_python = next(iter(envs.items()))
     files = touched(patch)
-    own = [file for file in files if file.startswith("tests/") and file.endswith(".py")]
     # Its tests on the code before it: only its test files applied.
     run(["git", "apply", "--include=tests/*", str(patch)], tree)
+    own = changed_tests(tree, patch.read_text(errors="replace"))
     before = {
         name: pytest_outcomes(series, python, tree, own, f"{patch.stem[:4]}-own-before-{i}", cache)
         for i, (name, python) in enumerate(envs.items())
@@ -363,11 +379,15 @@ def check_patch(
             result.problems.append(f"its tests pass before it ({ci_name}): they prove no fix")
     if git_dir is not None:
         upstream = upstream_tests_for(series, ci_python, tree, patch, own)
-        # Before: the tree without this patch, its upstream test files being the same.
+        # Upstream's tests in a file the patch extends are upstream's; the patch's own are counted above.
+        deselected = [option for node in own if "::" in node for option in ("--deselect", node)]
+        # Before: the tree without this patch (upstream's tests in it are the same).
         run(["git", "checkout", "-q", "HEAD~1"], tree)
-        old = pytest_outcomes(series, ci_python, tree, upstream, f"{patch.stem[:4]}-upstream-before", cache)
+        old = pytest_outcomes(
+            series, ci_python, tree, upstream, f"{patch.stem[:4]}-upstream-before", cache, deselected
+        )
         run(["git", "checkout", "-q", "-"], tree)
-        new = pytest_outcomes(series, ci_python, tree, upstream, f"{patch.stem[:4]}-upstream-after", cache)
+        new = pytest_outcomes(series, ci_python, tree, upstream, f"{patch.stem[:4]}-upstream-after", cache, deselected)
         result.upstream = (upstream, old, new)
         broken = sorted(name for name, value in old.items() if value == "passed" and new.get(name) != "passed")
         if broken:

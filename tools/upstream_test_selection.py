@@ -153,6 +153,26 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
+def changed_tests(tree_root: Path, patch_text: str) -> list[str]:
+    """The pytest node ids of the tests a patch adds or changes: a new test file whole, else each test function
+    (or test class) with a line the patch adds, so that upstream's other tests in a file it extends are not
+    counted as its own."""
+    created = set(
+        re.findall(r"^diff --git a/(\S+) b/\S+\nnew file mode", patch_text.replace("\r\n", "\n"), flags=re.MULTILINE)
+    )
+    nodes = []
+    for path, lines in sorted(changed_lines(patch_text).items()):
+        if not (path.startswith("tests/") and Path(path).name.startswith("test_") and path.endswith(".py")):
+            continue
+        if path in created:
+            nodes.append(path)
+            continue
+        tree = ast.parse((tree_root / path).read_text(encoding="utf-8"))
+        names = {found.name for line in lines if (found := _enclosing(tree, line)) is not None}
+        nodes += [f"{path}::{name}" for name in sorted(names) if name.startswith(("test", "Test"))]
+    return nodes
+
+
 def callable_methods(targets: set[Target], tree_root: Path, package: str) -> set[str]:
     """The changed public methods whose name says which class a test calls: few classes define it."""
     counts = _method_definitions(tree_root, package)
