@@ -230,7 +230,7 @@ def run_both(mode: str, patched_tree: Path, log_root: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> Path:
     """The released sources of the installed version with its series applied up to the GIST patch: a later patch
-    may change the losses' rounding (6.2.0's 0006 computes the similarities differently), which the exact
+    may change the losses' rounding (6.2.0's 0007 computes the similarities differently), which the exact
     comparisons below would take for the GIST patch's."""
     patches = patch_files(PACKAGE, INSTALLED)
     assert gist_patch() in patches

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def upstream_tests_for(series: Series, python: Path, tree: Path, patch: Path, ow
     env = {**os.environ, **series.environment, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
     command = [str(python), str(TOOLS / "upstream_test_selection.py"), str(request), str(answer), *candidates]
     run(command, tree, env=env)
-    return sorted(json.loads(answer.read_text()))
+    return sorted(test for tests in json.loads(answer.read_text()).values() for test in tests)
 
 
 def hub_cache(series: Series, python: Path) -> Path:
@@ -422,7 +423,10 @@ def applies_on_newest(series: Series, git_dir: Path) -> tuple[str, dict[str, boo
     return described, applied
 
 
-def check_series(series: Series, repository: str | None, only: list[str] | None) -> tuple[list[PatchResult], str]:
+def check_series(
+    series: Series, repository: str | None, only: list[str] | None, report: Callable[[list[PatchResult]], None]
+) -> tuple[list[PatchResult], str]:
+    """The series' results, passed to ``report`` after each patch too, and a note on what it was checked against."""
     git_dir = git_dir_of(repository, series.project) if repository else None
     tree, source = fresh_tree(series, git_dir)
     envs = environments(series)
@@ -433,6 +437,7 @@ def check_series(series: Series, repository: str | None, only: list[str] | None)
             run(["git", *GIT_IDENTITY, "am", "--keep-cr", "-q", str(patch)], tree)
             continue
         results.append(check_patch(series, envs, tree, patch, git_dir, cache))
+        report(results)
         if not results[-1].applies:
             break
     note = f"{series.name}: upstream tests and docs from {source}; environments: {', '.join(envs)}"
@@ -454,18 +459,12 @@ def row(result: PatchResult) -> list[str]:
         upstream = "none import or call what it changes"
     else:
         files, old, new = result.upstream
-        upstream = f"{len(files)} files: {ran(old)} → {ran(new)}"
+        upstream = f"{len({test.split('::')[0] for test in files})} files: {ran(old)} → {ran(new)}"
     verdict = "ok" if not result.problems else "; ".join(result.problems)
     return [result.series, result.patch, "yes" if result.applies else "no", own, upstream, result.lint, verdict]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--st-repo", default="https://github.com/huggingface/sentence-transformers")
-    parser.add_argument("--pml-repo", default="https://github.com/KevinMusgrave/pytorch-metric-learning")
-    parser.add_argument("--series", nargs="*", help="names of series to check (default: all)")
-    parser.add_argument("--patches", nargs="*", help="numbers of the patches to check, e.g. 0003 (default: all)")
-    args = parser.parse_args()
+def write_report(results: list[PatchResult], notes: list[str]) -> str:
     header = [
         "series",
         "patch",
@@ -475,22 +474,39 @@ def main() -> int:
         "upstream's lint",
         "verdict",
     ]
-    results, notes = [], []
-    for series in SERIES:
-        if args.series and series.name not in args.series:
-            continue
-        checked, note = check_series(series, getattr(args, series.repository_option), args.patches)
-        results += checked
-        notes.append(note)
     table = "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         + ["| " + " | ".join(row(result)) + " |" for result in results]
         + [""]
         + [f"- {note}" for note in notes]
     )
-    print(table)
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(table + "\n")
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--st-repo", default="https://github.com/huggingface/sentence-transformers")
+    parser.add_argument("--pml-repo", default="https://github.com/KevinMusgrave/pytorch-metric-learning")
+    parser.add_argument("--series", nargs="*", help="names of series to check (default: all)")
+    parser.add_argument("--patches", nargs="*", help="numbers of the patches to check, e.g. 0003 (default: all)")
+    args = parser.parse_args()
+    results: list[PatchResult] = []
+    notes: list[str] = []
+    for series in SERIES:
+        if args.series and series.name not in args.series:
+            continue
+        # The report so far is written after each patch, so that a long run shows where it is.
+        checked, note = check_series(
+            series,
+            getattr(args, series.repository_option),
+            args.patches,
+            lambda partial: write_report(results + partial, notes),
+        )
+        results += checked
+        notes.append(note)
+    print(write_report(results, notes))
     return 0 if all(not result.problems for result in results) else 1
 
 

@@ -6,9 +6,10 @@ A file name says little: ``test_cmnrl.py`` tests ``CachedMultipleNegativesRankin
 1. ``changed_targets``: the functions, classes and methods whose lines a patch adds or changes, read from the
    patched tree's AST, and the package's own definitions that use them (a loss class built on a changed mixin or
    helper), two levels deep.
-2. ``main`` (run by the series' Python inside the tree, as ``python upstream_test_selection.py``): each test file
+2. ``main`` (run by the series' Python inside the tree, as ``python upstream_test_selection.py``): in each test file
    that imports an object that *is* a target (through any re-export, resolved by importing it), reaches one as an
-   attribute of a module it imports, or calls a changed public method whose name few classes define.
+   attribute of a module it imports, or calls a changed public method whose name few classes define, the tests
+   that name it (the whole file where only its helpers do).
 """
 
 from __future__ import annotations
@@ -200,28 +201,42 @@ def _method_definitions(tree_root: Path, package: str) -> dict[str, int]:
 
 
 def _test_file_matches(test_file: Path, targets: dict[Target, object], callable_methods: set[str]) -> list[str]:
-    """The targets ``test_file`` imports, reaches through an imported module, or calls by a method name."""
+    """The tests of ``test_file`` that use a target: ``file::test`` for each test function or class that names one
+    (imported, reached through an imported module, or called by a method name), the whole file if the file uses
+    one and none of its tests names it itself (e.g. through a helper); nothing if the file uses none."""
     tree = ast.parse(test_file.read_text(encoding="utf-8"))
     identifiers = _referenced_names(tree)
-    imported = []
+    imported: list[tuple[str, object]] = []  # (the name the file binds, the object)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            imported += [_import(alias.name) for alias in node.names]
+            imported += [((alias.asname or alias.name).split(".")[0], _import(alias.name)) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             module = _import(node.module)
-            imported += [getattr(module, alias.name, None) for alias in node.names if module is not None]
-    hits = set()
+            if module is not None:
+                imported += [(alias.asname or alias.name, getattr(module, alias.name, None)) for alias in node.names]
+    used = set()  # the names in the file that stand for a target
     for target, value in targets.items():
-        for thing in imported:
-            if thing is value or (
+        for bound, thing in imported:
+            if thing is value:
+                used.add(bound)
+            elif (
                 isinstance(thing, ModuleType)
                 and target.name in identifiers
                 and getattr(thing, target.name, None) is value
             ):
-                hits.add(target.name)
+                used.add(target.name)
         if target.method in callable_methods and target.method in identifiers:
-            hits.add(f"{target.name}.{target.method}")
-    return sorted(hits)
+            used.add(target.method)
+    if not used:
+        return []
+    tests = [
+        f"{test_file}::{node.name}"
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.name.startswith(("test", "Test"))
+        and _referenced_names(node) & used
+    ]
+    return tests or [str(test_file)]
 
 
 def _import(name: str):
@@ -232,7 +247,7 @@ def _import(name: str):
 
 
 def main() -> None:
-    """``python upstream_test_selection.py REQUEST.json ANSWER.json TEST_FILE...``: writes ``{test file: [targets]}``.
+    """``python upstream_test_selection.py REQUEST.json ANSWER.json TEST_FILE...``: writes ``{test file: [tests]}``.
 
     The request holds ``targets`` (``[module, name, method]``) and ``callable_methods``.
     """
