@@ -4,10 +4,11 @@ For each series (a project at a released version), in a fresh tree made of the r
 upstream repository's tests/ and docs/ laid over it (from a clone of the repository, when one is given):
 
 * applies: the patch applies with ``git am --keep-cr`` after the ones before it;
-* own tests: the test files the patch adds or changes, run before its code change (only its test files
-  applied) and after it, in each environment of the series: for sentence-transformers once without DeepSpeed
-  (upstream's CI installs none) and once with it. A patch of a PR series must have tests, at least one of
-  them must fail before it without DeepSpeed (where upstream's CI runs them), and none may fail after it;
+* own tests: the tests the patch adds or changes (a new test file whole, else its test functions), run before
+  its code change (only its test files applied) in upstream's CI environment, and after it in each environment
+  of the series: for sentence-transformers once without DeepSpeed (upstream's CI installs none) and once with
+  it. A patch of a PR series must have tests, at least one of them must fail before it without DeepSpeed (where
+  upstream's CI runs them), and none may fail after it;
 * upstream tests: upstream's test files that exercise what the patch changes, found from what they import and
   call (``upstream_test_selection.py``), run in upstream's CI environment before and after the patch, with tiny
   locally built stand-ins for the Hub models of upstream's fixtures (``hub_stand_ins.py``) so that they run
@@ -340,7 +341,7 @@ class PatchResult:
     series: str
     patch: str
     applies: bool = False
-    own: dict[str, tuple[dict, dict]] = field(default_factory=dict)  # environment: (before, after)
+    own: dict[str, tuple[dict | None, dict]] = field(default_factory=dict)  # environment: (before, after)
     upstream: tuple[list[str], dict, dict] | None = None  # files, before, after
     lint: str = ""
     problems: list[str] = field(default_factory=list)
@@ -355,10 +356,8 @@ def check_patch(
     # Its tests on the code before it: only its test files applied.
     run(["git", "apply", "--include=tests/*", str(patch)], tree)
     own = changed_tests(tree, patch.read_text(errors="replace"))
-    before = {
-        name: pytest_outcomes(series, python, tree, own, f"{patch.stem[:4]}-own-before-{i}", cache)
-        for i, (name, python) in enumerate(envs.items())
-    }
+    # Before it, in upstream's CI environment only: that is where they must fail.
+    before = pytest_outcomes(series, ci_python, tree, own, f"{patch.stem[:4]}-own-before", cache)
     run(["git", "checkout", "-q", "--", "."], tree)
     run(["git", "clean", "-qfd"], tree)
     lint_before = lint_findings(series, tree, files)
@@ -370,13 +369,13 @@ def check_patch(
     result.applies = True
     for i, (name, python) in enumerate(envs.items()):
         after = pytest_outcomes(series, python, tree, own, f"{patch.stem[:4]}-own-after-{i}", cache)
-        result.own[name] = (before[name], after)
+        result.own[name] = (before if name == ci_name else None, after)
         if tally(after)["failed"]:
             result.problems.append(f"its tests fail after it ({name})")
     if series.pull_requests:
         if not own:
             result.problems.append("no tests of its own")
-        elif not tally(result.own[ci_name][0])["failed"]:
+        elif not tally(before)["failed"]:
             result.problems.append(f"its tests pass before it ({ci_name}): they prove no fix")
     if git_dir is not None:
         upstream = upstream_tests_for(series, ci_python, tree, patch, own)
@@ -451,7 +450,8 @@ def check_series(
 
 def row(result: PatchResult) -> list[str]:
     own = "; ".join(
-        f"{name}: before {count(before)}, after {count(after)}" for name, (before, after) in result.own.items()
+        f"{name}: " + (f"before {count(before)}, " if before is not None else "") + f"after {count(after)}"
+        for name, (before, after) in result.own.items()
     ) or ("none" if result.applies else "")
     if result.upstream is None:
         upstream = "no repository given" if result.applies else ""
