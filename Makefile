@@ -50,9 +50,12 @@ lint: $(VENV)/st6/.ready
 	$(VENV)/st6/bin/ruff check --no-fix .
 	$(VENV)/st6/bin/ruff format --check .
 
-# By hand: every series in patches/ on its released sdist with upstream's tests, docs and linters; prints a table
-# and writes runs/patches-check.md. Needs the network once (sdists, and a clone of each repository unless
-# ST_REPO / PML_REPO name a local one).
+# By hand: every series in patches/ on its released sdist with upstream's tests, docs and linters (typos too); each
+# patch's tests must fail before it in upstream's CI environment (no DeepSpeed) and pass after it with and without
+# DeepSpeed; upstream's tests that import or call what it changes run offline on tiny local stand-ins for their Hub
+# models; the series is also tried on the repository's newest commit. Prints a table and writes
+# runs/patches-check.md. Needs the network once (sdists, and a clone of each repository unless ST_REPO / PML_REPO
+# name a local one).
 ST_REPO ?= https://github.com/huggingface/sentence-transformers
 PML_REPO ?= https://github.com/KevinMusgrave/pytorch-metric-learning
 

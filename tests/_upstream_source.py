@@ -82,12 +82,14 @@ def unpack_sdist(sdist: Path, dest: Path) -> Path:
 def apply_patch(root: Path, patch: Path) -> None:
     """
     Apply one patch to the tree at ``root`` with ``git apply``, without whitespace or line-ending leniency, as
-    the patch would be applied to the published sources (but for the documentation, which they do not ship).
+    the patch would be applied to the published sources (but for the documentation and the tests, which they do
+    not ship).
     """
     # Outside a repository `git apply` patches the files as they are; keep it from finding an enclosing one.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
-    # The patches are made for the repositories; released sdists ship no documentation to update.
-    command = ["git", "apply", "--exclude=docs/*", str(patch)]
+    # The patches are made for the repositories; released sdists ship no documentation or tests to update (a
+    # patch's tests extend upstream's test files, and `make patches-check` runs them in the repository's tests/).
+    command = ["git", "apply", "--exclude=docs/*", "--exclude=tests/*", str(patch)]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise UpstreamSourceError(f"{patch.name} does not apply to {root.name}:\n{result.stderr.strip()}")

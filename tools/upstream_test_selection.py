@@ -1,0 +1,273 @@
+"""Which of upstream's test files exercise what a patch changes, found from what the tests import and call.
+
+A file name says little: ``test_cmnrl.py`` tests ``CachedMultipleNegativesRankingLoss``, and the cross-encoder's
+``test_cached_multiple_negatives_ranking.py`` tests another class of that name. So the selection works on code:
+
+1. ``changed_targets``: the functions, classes and methods whose lines a patch adds or changes, read from the
+   patched tree's AST, and the package's own definitions that use them (a loss class built on a changed mixin or
+   helper), two levels deep.
+2. ``main`` (run by the series' Python inside the tree, as ``python upstream_test_selection.py``): in each test file
+   that imports an object that *is* a target (through any re-export, resolved by importing it), reaches one as an
+   attribute of a module it imports, or calls a changed public method whose name few classes define, the tests
+   that name it (the whole file where only its helpers do).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+#: Method names too common to say which class a test exercises; their class is matched instead.
+GENERIC_METHODS = {"forward", "backward", "to", "train", "eval", "get_config_dict", "citation", "extra_repr"}
+#: A changed public method is matched by its name alone when at most this many classes of the package define it.
+FEW_DEFINITIONS = 2
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str  # dotted module name, e.g. "sentence_transformers.base.losses.gradcache"
+    name: str  # a top-level function or class of that module
+    method: str | None = None  # a method of that class, where the change is inside one
+
+
+def changed_lines(patch_text: str) -> dict[str, set[int]]:
+    """``{path: line numbers in the patched file}`` of the lines each hunk adds (its first line, if it only removes)."""
+    lines: dict[str, set[int]] = {}
+    path = None
+    new_line = 0
+    added_in_hunk = False
+    hunk_start = 0
+    for line in patch_text.replace("\r\n", "\n").splitlines():
+        if line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else None
+            continue
+        hunk = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        if hunk:
+            if path and not added_in_hunk and hunk_start:
+                lines.setdefault(path, set()).add(hunk_start)
+            new_line = hunk_start = int(hunk.group(1))
+            added_in_hunk = False
+            continue
+        if path is None or not new_line:
+            continue
+        if line.startswith("+"):
+            if line[1:].strip():
+                lines.setdefault(path, set()).add(new_line)
+            added_in_hunk = True
+            new_line += 1
+        elif line.startswith("-"):
+            lines.setdefault(path, set()).add(new_line)
+        elif line.startswith(" "):
+            new_line += 1
+        elif line.startswith("diff --git"):
+            new_line = hunk_start = 0
+    return lines
+
+
+def module_name(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _spans(node: ast.AST, line: int) -> bool:
+    start = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", []))])
+    return start <= line <= node.end_lineno
+
+
+def _enclosing(tree: ast.Module, line: int) -> Target | None:
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _spans(node, line):
+            methods = [
+                child.name
+                for child in getattr(node, "body", [])
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and _spans(child, line)
+            ]
+            return Target("", node.name, methods[0] if methods and isinstance(node, ast.ClassDef) else None)
+    return None
+
+
+def _reached_through_users(target: Target) -> bool:
+    """A private helper or a mixin is not what a test imports: it reaches tests through the definitions using it."""
+    return target.method is None and (target.name.startswith("_") or target.name.endswith("Mixin"))
+
+
+def _referenced_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def changed_targets(source_root: Path, patch_text: str, package: str, prefix: str = "") -> set[Target]:
+    """The definitions a patch changes in ``package`` (a folder of ``source_root``), and their users there.
+
+    ``prefix`` is the folder of ``source_root`` in the patch's paths (``src/`` for a src layout).
+    """
+    targets: set[Target] = set()
+    for path, lines in changed_lines(patch_text).items():
+        path = path.removeprefix(prefix)
+        if not path.startswith(f"{package}/") or not path.endswith(".py") or not (source_root / path).exists():
+            continue
+        tree = ast.parse((source_root / path).read_text(encoding="utf-8"))
+        for line in lines:
+            found = _enclosing(tree, line)
+            if found is not None:
+                targets.add(Target(module_name(path), found.name, found.method))
+    users = targets
+    for _ in range(2):
+        reached = {(target.module, target.name) for target in users if _reached_through_users(target)}
+        users = _users_of(reached, source_root, package) - targets
+        targets |= users
+    return targets
+
+
+def _users_of(names: set[tuple[str, str]], tree_root: Path, package: str) -> set[Target]:
+    """The package's top-level definitions that refer to one of ``names`` (imported from its module, or its own)."""
+    users = set()
+    for source in sorted((tree_root / package).rglob("*.py")):
+        module = module_name(str(source.relative_to(tree_root)))
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        visible = {name for owner, name in names if owner == module}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported_from = _absolute(node, module, source.name == "__init__.py")
+                visible |= {alias.asname or alias.name for alias in node.names if (imported_from, alias.name) in names}
+        if not visible:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if (module, node.name) not in names and _referenced_names(node) & visible:
+                    users.add(Target(module, node.name))
+    return users
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def changed_tests(tree_root: Path, patch_text: str) -> list[str]:
+    """The pytest node ids of the tests a patch adds or changes: a new test file whole, else each test function
+    (or test class) with a line the patch adds, so that upstream's other tests in a file it extends are not
+    counted as its own."""
+    created = set(
+        re.findall(r"^diff --git a/(\S+) b/\S+\nnew file mode", patch_text.replace("\r\n", "\n"), flags=re.MULTILINE)
+    )
+    nodes = []
+    for path, lines in sorted(changed_lines(patch_text).items()):
+        if not (path.startswith("tests/") and Path(path).name.startswith("test_") and path.endswith(".py")):
+            continue
+        if path in created:
+            nodes.append(path)
+            continue
+        tree = ast.parse((tree_root / path).read_text(encoding="utf-8"))
+        names = {found.name for line in lines if (found := _enclosing(tree, line)) is not None}
+        nodes += [f"{path}::{name}" for name in sorted(names) if name.startswith(("test", "Test"))]
+    return nodes
+
+
+def callable_methods(targets: set[Target], tree_root: Path, package: str) -> set[str]:
+    """The changed public methods whose name says which class a test calls: few classes define it."""
+    counts = _method_definitions(tree_root, package)
+    return {
+        target.method
+        for target in targets
+        if target.method
+        and not target.method.startswith("_")
+        and not target.name.startswith("_")
+        and target.method not in GENERIC_METHODS
+        and counts.get(target.method, 0) <= FEW_DEFINITIONS
+    }
+
+
+def _method_definitions(tree_root: Path, package: str) -> dict[str, int]:
+    """How many classes of the package define each method name."""
+    counts: dict[str, int] = {}
+    for source in (tree_root / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                for child in node.body:
+                    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        counts[child.name] = counts.get(child.name, 0) + 1
+    return counts
+
+
+def _test_file_matches(test_file: Path, targets: dict[Target, object], callable_methods: set[str]) -> list[str]:
+    """The tests of ``test_file`` that use a target: ``file::test`` for each test function or class that names one
+    (imported, reached through an imported module, or called by a method name), the whole file if the file uses
+    one and none of its tests names it itself (e.g. through a helper); nothing if the file uses none."""
+    tree = ast.parse(test_file.read_text(encoding="utf-8"))
+    identifiers = _referenced_names(tree)
+    imported: list[tuple[str, object]] = []  # (the name the file binds, the object)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [((alias.asname or alias.name).split(".")[0], _import(alias.name)) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            module = _import(node.module)
+            if module is not None:
+                imported += [(alias.asname or alias.name, getattr(module, alias.name, None)) for alias in node.names]
+    used = set()  # the names in the file that stand for a target
+    for target, value in targets.items():
+        for bound, thing in imported:
+            if thing is value:
+                used.add(bound)
+            elif (
+                isinstance(thing, ModuleType)
+                and target.name in identifiers
+                and getattr(thing, target.name, None) is value
+            ):
+                used.add(target.name)
+        if target.method in callable_methods and target.method in identifiers:
+            used.add(target.method)
+    if not used:
+        return []
+    tests = [
+        f"{test_file}::{node.name}"
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.name.startswith(("test", "Test"))
+        and _referenced_names(node) & used
+    ]
+    return tests or [str(test_file)]
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001  (a test's optional dependency that is not installed)
+        return None
+
+
+def main() -> None:
+    """``python upstream_test_selection.py REQUEST.json ANSWER.json TEST_FILE...``: writes ``{test file: [tests]}``.
+
+    The request holds ``targets`` (``[module, name, method]``) and ``callable_methods``.
+    """
+    request = json.loads(Path(sys.argv[1]).read_text())
+    targets = {}
+    for module, name, method in request["targets"]:
+        value = getattr(_import(module), name, None)
+        if value is not None:
+            targets[Target(module, name, method)] = value
+    callable_methods = set(request["callable_methods"])
+    matches = {}
+    for test_file in sys.argv[3:]:
+        try:
+            hits = _test_file_matches(Path(test_file), targets, callable_methods)
+        except SyntaxError:
+            continue
+        if hits:
+            matches[test_file] = hits
+    Path(sys.argv[2]).write_text(json.dumps(matches))
+
+
+if __name__ == "__main__":
+    main()
