@@ -39,7 +39,13 @@ from torch import Tensor, nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from st_ext._compat import is_gradient_caching, loss_model, ranking_loss_from_embeddings, st_losses
+from st_ext._compat import (
+    is_gradient_caching,
+    loss_model,
+    ranking_loss_from_embeddings,
+    st_losses,
+    upstream_loss_class,
+)
 from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
 from st_ext.losses.cached_ranking import CachedMultipleNegativesSymmetricRankingLoss
 from st_ext.losses.gradcache import Features, Reps, batch_size_of, gradcache_forward, row_keys
@@ -345,7 +351,7 @@ def not_wrappable(loss: nn.Module) -> TypeError:
 def memory_for(loss: nn.Module) -> RankingMemory | TripletMemory:
     """How a queue joins ``loss``, or an error naming the losses a memory supports."""
     upstream = st_losses()
-    symmetric = tuple(filter(None, (getattr(upstream, name, None) for name in SYMMETRIC_RANKING_LOSSES))) + (
+    symmetric = tuple(filter(None, map(upstream_loss_class, SYMMETRIC_RANKING_LOSSES))) + (
         CachedMultipleNegativesSymmetricRankingLoss,
     )
     if isinstance(loss, symmetric):
