@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 
 import pytest
@@ -231,8 +232,10 @@ def test_offloading_the_model_itself_is_refused(model):
     empty_table = losses.GuideEmbeddings({}, torch.empty(0, 32))
     with pytest.raises(ValueError, match="offload_guide=True needs a guide"):
         losses.CachedGISTEmbedLoss(model, None, guide_embeddings=empty_table, offload_guide=True)
-    with pytest.raises(ValueError, match="shares its parameters"):
+    with pytest.raises(ValueError, match="guided by the model itself"):
         losses.CachedGISTEmbedLoss(model, model, offload_guide=True)
+    with pytest.raises(ValueError, match="shares its parameters"):
+        losses.CachedGISTEmbedLoss(model, copy.copy(model), offload_guide=True)
     assert all(p.requires_grad for p in model.parameters())
 
 

@@ -3,6 +3,7 @@ precomputed and released, and the trainer's ``frozen_encoders`` option. Every mo
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -120,8 +121,10 @@ def test_precompute_extends_a_table_the_loss_already_has(model, guide):
 def test_gist_without_guide_or_table_is_refused(model):
     with pytest.raises(TypeError, match="needs a guide model, or precomputed guide_embeddings"):
         losses.GISTEmbedLoss(model)
-    with pytest.raises(ValueError, match="shares its parameters"):
+    with pytest.raises(ValueError, match="guided by the model itself"):
         losses.GISTEmbedLoss(model, model, offload_guide=True)
+    with pytest.raises(ValueError, match="shares its parameters"):
+        losses.GISTEmbedLoss(model, copy.copy(model), offload_guide=True)
 
 
 # --------------------------------------------------------------------------------------------

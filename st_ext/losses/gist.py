@@ -1,10 +1,14 @@
-"""GIST losses, cached and not, whose guide can live off the accelerator or be replaced by a precomputed table.
+"""GIST losses, cached and not, whose guide can live off the accelerator, be replaced by a precomputed table,
+or be the model itself.
 
 GISTEmbed (https://huggingface.co/papers/2402.16829) drops in-batch negatives that a frozen guide
 rates as more similar to the anchor than its own positive. The guide only runs without grad, so it
 can stay on the CPU between passes (``offload_guide=True``, held outside the loss's module tree so
 that ``loss.to(device)`` leaves it there), or be replaced by a :class:`GuideEmbeddings` table keyed
-by each row's token ids, which needs no change to the dataset or the data collator.
+by each row's token ids, which needs no change to the dataset or the data collator. With
+``guide=model`` the model guides itself: its own embeddings of the step, detached, decide which
+candidates are false negatives (the Qwen3-Embedding and pplx-embed recipes, with a negative
+``margin``), without a second forward pass.
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ def _suppress(scores: Tensor, guide_scores: Tensor, limit: Tensor) -> Tensor:
 
 def gist_loss(
     reps: Reps,
-    guide_reps: Reps,
+    guide_reps: Reps | None,
     *,
     temperature: float,
     margin_strategy: str,
@@ -212,27 +216,32 @@ def gist_loss(
     """GISTEmbed's cross-entropy over (anchor, positive, negative_1..n) embeddings, ``chunk_size`` rows at a time.
 
     Scores are cosine similarities computed as products of unit vectors, so a chunk costs
-    ``chunk_size x batch`` memory per block (a broadcast cosine would cost ``x dim`` more). The guide's
-    scores are never truncated: Matryoshka only transforms ``reps``.
+    ``chunk_size x batch`` memory per block (a broadcast cosine would cost ``x dim`` more). A separate
+    guide's scores are never truncated: Matryoshka only transforms ``reps``. ``guide_reps=None``: the
+    model guides itself with ``reps``, detached, so its guide is what the loss scores: truncated at a
+    Matryoshka dimension, a layer's own embeddings under a layer-wise loss.
     """
-    if len(reps) < 2 or len(reps) != len(guide_reps):
+    guide_columns = len(reps) if guide_reps is None else len(guide_reps)
+    if len(reps) < 2 or len(reps) != guide_columns:
         raise ValueError(
             f"GIST needs (anchor, positive, negative_1..n) columns with a guide embedding each; got {len(reps)} "
-            f"columns and {len(guide_reps)} guide columns."
+            f"columns and {guide_columns} guide columns."
         )
     model_side = [torch.cat(column) for column in reps]
-    guide_side = [torch.cat(column).to(model_side[0].device) for column in guide_reps]
+    guide_side = None if guide_reps is None else [torch.cat(column).to(model_side[0].device) for column in guide_reps]
     batch_size = len(model_side[0])
     offset = 0
     if gather_across_devices:
         gather = all_gather_with_grad()
         model_side = model_side[:1] + [gather(candidate) for candidate in model_side[1:]]
-        guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
+        if guide_side is not None:
+            guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
         offset = get_rank() * batch_size
     # Scores in fp32 whatever the autocast: bf16 similarities over a temperature of 0.05 move the
     # gradients, and can flip which candidates the guide suppresses (upstream's cosine stays fp32 too).
     model_side = [tensor.float() for tensor in model_side]
-    guide_side = [tensor.float() for tensor in guide_side]
+    # A model guiding itself reads the candidates it just gathered: no second gather.
+    guide_side = [tensor.detach() for tensor in model_side] if guide_side is None else [t.float() for t in guide_side]
     with torch.autocast(model_side[0].device.type, enabled=False):
         graph_ends = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in model_side]
         # Back-propagating chunk by chunk, every chunk's backward ends at leaves detached from the unit
@@ -306,9 +315,19 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         offload_guide: bool,
     ) -> None:
         # TypeError without guide and table, as upstream's missing `guide` argument raises.
-        neither = TypeError("A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None.")
+        neither = TypeError(
+            "A GIST loss needs a guide model, or precomputed guide_embeddings with guide=None "
+            "(or the model itself as its guide: guide=model)."
+        )
         self._check_encoder_and_table(guide, guide_embeddings, offload_guide, neither=neither)
         self.model = model
+        # Decided here: a trainer later puts its DDP or DeepSpeed wrapper in `self.model`, never in `self.guide`.
+        self.guides_itself = guide is model
+        if self.guides_itself and guide_embeddings is not None:
+            raise ValueError(
+                "guide=model guides the loss by the model's own embeddings of each step, which a precomputed "
+                "guide_embeddings table would replace with frozen ones: pass one or the other."
+            )
         if offload_guide:
             self._check_can_let_go(guide)
         if not temperature > 0:
@@ -318,7 +337,8 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         if gather_across_devices and all_gather_with_grad() is None:
             raise ValueError("gather_across_devices needs sentence-transformers' all_gather_with_grad (5.x or newer).")
         self._hold_encoder(guide, offloaded=offload_guide)
-        self.retokenize_with = None if guide is None else retokenizer_for(model, guide)
+        # A model guiding itself reads no tokens of its own: it needs no tokenizer, and any model can.
+        self.retokenize_with = None if guide is None or self.guides_itself else retokenizer_for(model, guide)
         if self.retokenize_with is not None and embeds_with_static_embedding(model):
             # Upstream's check and error: a StaticEmbedding model's features cannot be decoded to re-tokenize.
             raise ValueError(
@@ -343,8 +363,11 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
             "gather_across_devices": self.gather_across_devices,
         }
 
-    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps:
-        """The guide's embeddings: from the table when it holds every row, else from the live guide."""
+    def frozen_embeddings(self, sentence_features: list[Features], ranges: list[Ranges]) -> Reps | None:
+        """The guide's embeddings: from the table when it holds every row, else from the live guide; None when
+        the model guides itself (:func:`gist_loss` takes its embeddings, detached)."""
+        if self.guides_itself:
+            return None
         looked_up = self._rows_from_table(sentence_features)
         if looked_up is not None:
             return [[embeddings] for embeddings in looked_up]
@@ -358,6 +381,11 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         )
 
     def _check_can_let_go(self, encoder: nn.Module) -> None:
+        if self.guides_itself:
+            raise ValueError(
+                "This GIST loss is guided by the model itself (guide=model): there is no separate guide to offload, "
+                "precompute or release."
+            )
         if shares_parameters(self.model, encoder):
             raise ValueError(
                 "Offloading or releasing this guide would freeze and move the model being trained: the guide "
@@ -389,7 +417,10 @@ class CachedGISTEmbedLoss(GuidedLoss):
     Args:
         model: the SentenceTransformer being trained.
         guide: the frozen SentenceTransformer that rates the negatives. May be None with
-            ``guide_embeddings``.
+            ``guide_embeddings``. ``model`` itself: the model guides itself with its own embeddings
+            of the step, detached, without a second forward pass (under Matryoshka the truncated
+            ones, under a layer-wise loss each layer's own); an absolute ``margin`` below 0 then
+            keeps candidates scored up to ``-margin`` above the positive (Qwen3-Embedding: ``-0.1``).
         temperature: the softmax temperature of the cross-entropy (upstream's default 0.01).
         mini_batch_size: rows embedded per forward pass; sets memory, not the result. ``"auto"``:
             the largest that fits ``memory_budget_mb`` (see :mod:`st_ext.losses.auto_mini_batch`).
@@ -443,6 +474,8 @@ class CachedGISTEmbedLoss(GuidedLoss):
             table = losses.GuideEmbeddings.from_dataset(model, guide, train_dataset)
             offload.release(guide)
             loss = losses.CachedGISTEmbedLoss(model, None, guide_embeddings=table)
+            # or: no guide at all, the model guides itself
+            loss = losses.CachedGISTEmbedLoss(model, model, mini_batch_size=32, margin=-0.1)
             SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss).train()
     """
 
@@ -520,8 +553,8 @@ class CachedGISTEmbedLoss(GuidedLoss):
 
 @named_like_upstream(_upstream.GISTEmbedLoss)
 class GISTEmbedLoss(GuidedLoss):
-    """GISTEmbed: in-batch negatives filtered by a frozen guide model, whose guide can be offloaded
-    or replaced by a precomputed table.
+    """GISTEmbed: in-batch negatives filtered by a frozen guide model, whose guide can be offloaded,
+    replaced by a precomputed table, or be the model itself.
 
     As :class:`CachedGISTEmbedLoss`, with the whole batch in one forward pass. Takes upstream's
     arguments in the installed release's order (and 6.x's options on older releases, keyword-only),
@@ -530,7 +563,7 @@ class GISTEmbedLoss(GuidedLoss):
     Args:
         model: the SentenceTransformer being trained.
         guide: the frozen SentenceTransformer that rates the negatives. May be None with
-            ``guide_embeddings``.
+            ``guide_embeddings``, or ``model`` itself (see :class:`CachedGISTEmbedLoss`).
         temperature: the softmax temperature of the cross-entropy (upstream's default 0.01).
         margin_strategy: ``"absolute"`` or ``"relative"``, see :class:`CachedGISTEmbedLoss`.
         margin: the margin of ``margin_strategy``.
