@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from loss_checks import (
     assert_losses_agree,
     assert_same_grads,
-    grads_differ,
     loss_and_grads,
     pair_dataset,
     text_columns,
@@ -137,9 +136,9 @@ def test_cached_and_uncached_equal_the_hand_written_loss(
     columns = text_columns(BATCH, num_columns)
     options = dict(temperature=0.05, margin_strategy=margin_strategy, margin=margin)
     result = assert_all_agree(model, the_three(model, mini_batch_size, **options), columns, train=train)
-    # The guide dropped candidates: the same loss with nothing masked trains otherwise.
+    # The guide dropped candidates: each one dropped takes its term out of a softmax denominator.
     unmasked = HandWrittenSelfGIST(model, temperature=0.05, **NOTHING_MASKED)
-    assert grads_differ(result, loss_and_grads(model, unmasked, columns, train=train))
+    assert result[0] < loss_and_grads(model, unmasked, columns, train=train)[0] - 1e-3
 
 
 @pytest.mark.parametrize("anchors, positives", [(False, True), (True, False), (False, False)])
@@ -147,16 +146,6 @@ def test_contrast_options(model, anchors, positives):
     columns = text_columns(BATCH, 3)
     options = dict(margin=-0.05, contrast_anchors=anchors, contrast_positives=positives)
     assert_all_agree(model, the_three(model, 3, **options), columns, train=False)
-
-
-def test_self_guide_differs_from_a_frozen_copy_in_training(model):
-    """With dropout, the guide is the embeddings being trained (one forward pass), not a second pass whose
-    dropout draws other masks, as upstream's GIST given the model as its guide runs."""
-    columns = text_columns(BATCH, 2)
-    ours = loss_and_grads(model, losses.GISTEmbedLoss(model, model), columns, train=True)
-    assert_same_grads(ours, loss_and_grads(model, HandWrittenSelfGIST(model), columns, train=True))
-    second_pass = loss_and_grads(model, upstream.GISTEmbedLoss(model, model), columns, train=True)
-    assert grads_differ(ours, second_pass)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +188,7 @@ def test_matryoshka_guides_each_dimension_with_its_truncated_embeddings(
     options = dict(temperature=0.05, margin_strategy=margin_strategy, margin=margin)
     cached, uncached, _ = the_three(model, mini_batch_size, **options)
     dims = list(zip(DIMS, WEIGHTS))
-    result = assert_all_agree(
+    assert_all_agree(
         model,
         [
             losses.MatryoshkaLoss(model, cached, DIMS, WEIGHTS),
@@ -209,8 +198,17 @@ def test_matryoshka_guides_each_dimension_with_its_truncated_embeddings(
         columns,
         train=train,
     )
-    full_dim_guide = HandWrittenSelfGIST(model, dims=dims, guide_at_full_dim=True, **options)
-    assert grads_differ(result, loss_and_grads(model, full_dim_guide, columns, train=train))
+
+
+def test_matryoshka_does_not_guide_with_the_full_embeddings(model):
+    """The premise of the test above: on its batch, a full-dimension guide masks other candidates."""
+    columns = text_columns(BATCH, 3)
+    dims = list(zip(DIMS, WEIGHTS))
+    cached = losses.CachedGISTEmbedLoss(model, model, temperature=0.05, mini_batch_size=3)
+    ours = loss_and_grads(model, losses.MatryoshkaLoss(model, cached, DIMS, WEIGHTS), columns, train=False)
+    full_dim_guide = HandWrittenSelfGIST(model, dims=dims, guide_at_full_dim=True, temperature=0.05)
+    full_dim_value = loss_and_grads(model, full_dim_guide, columns, train=False)[0]
+    assert not torch.isclose(ours[0], full_dim_value, rtol=1e-2), (ours[0], full_dim_value)
 
 
 LAYER_WISE = {
