@@ -138,7 +138,7 @@ def matryoshka_2d_cmnrl(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.M
     return build
 
 
-def cached_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+def cached_gist(gathered: bool, **options) -> Callable[[nn.Module, nn.Module], nn.Module]:
     def build(model: nn.Module, guide: nn.Module) -> nn.Module:
         from st_ext import losses
 
@@ -151,6 +151,7 @@ def cached_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
             mini_batch_size=MINI_BATCH_SIZE,
             contrast_anchors=False,
             gather_across_devices=gathered,
+            **options,
         )
 
     return build
@@ -243,6 +244,10 @@ CASES: dict[str, LossCase] = {
     "matryoshka_same_document": LossCase(matryoshka_same_document(gathered=False)),
     "matryoshka_same_document_gathered": LossCase(matryoshka_same_document(gathered=True), gathered=True),
     "cross_batch_memory_same_document": LossCase(memory_same_document, steps=2),
+    "cached_gist_same_document": LossCase(cached_gist(gathered=False, document_ids=first_word_of_positive)),
+    "cached_gist_same_document_gathered": LossCase(
+        cached_gist(gathered=True, document_ids=first_word_of_positive), gathered=True
+    ),
     "cross_batch_memory_query_bank": LossCase(memory_query_bank, steps=2, needs_directions=True),
 }
 

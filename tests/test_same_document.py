@@ -1,8 +1,8 @@
-"""Same-document masking (``document_ids``): a candidate from an anchor's own document is not its negative, in
-st_ext's CachedMultipleNegativesRankingLoss and in CrossBatchMemoryLoss (batch and queue), and a row's own
-positive repeated in the batch or queued from an earlier step (6.2's duplicate-free sampler refills batches
-with earlier rows) is never its negative. References are written by hand (tests/ranking_reference.py); the
-two-rank checks are in tests/test_distributed.py."""
+"""Same-document masking (``document_ids``): a candidate from an anchor's own document is not its negative,
+in st_ext's CachedMultipleNegativesRankingLoss, (Cached)GISTEmbedLoss and CrossBatchMemoryLoss (batch and
+queue); and a row's own positive, repeated in the batch or queued from an earlier step (6.2's duplicate-free
+sampler refills batches with earlier rows), is never its negative. References are written by hand
+(tests/ranking_reference.py); the two-rank checks are in tests/test_distributed.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from loss_checks import assert_same_grads, features_of, loss_and_grads, random_texts, text_columns
 from packaging.version import Version
 from ranking_reference import ranking_loss_by_hand
 
 from st_ext._compat import ST_VERSION, st_losses
-from st_ext.losses import CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+from st_ext.losses import CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss, GISTEmbedLoss, MatryoshkaLoss
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
 
 upstream = st_losses()
@@ -205,3 +206,49 @@ def test_rows_the_sampler_repeats_never_meet_their_positive_in_the_queue(model):
         with torch.enable_grad():
             torch.testing.assert_close(loss(features, None).detach(), expected)
     assert met_own_positive, "no batch found a copy of its own positive in the queue: the check proved nothing"
+
+
+# ---------------------------------------------------------------------------------------------
+# GIST
+
+
+def gist_by_hand(model, guide, anchor_ids, temperature=0.05):
+    """GISTEmbed's cross-entropy with the guide's suppression (margin 0) and same-document masking."""
+
+    def loss(features, _labels):
+        anchors, positives = [F.normalize(model(f)["sentence_embedding"], dim=-1) for f in features]
+        with torch.no_grad():
+            guide_anchors, guide_positives = [F.normalize(guide(f)["sentence_embedding"], dim=-1) for f in features]
+        rows = torch.arange(len(anchors))
+        same = (anchor_ids[:, None] == anchor_ids[None, :]) & (anchor_ids[:, None] >= 0)
+        guide_ap = guide_anchors @ guide_positives.T
+        limit = guide_ap[rows, rows][:, None]
+        suppress_ap = (guide_ap > limit) | same
+        suppress_ap[rows, rows] = False
+        suppress_aa = (guide_anchors @ guide_anchors.T > limit) | same
+        suppress_pp = (guide_positives @ guide_positives.T > limit) | same
+        scores = torch.cat(
+            [
+                (anchors @ positives.T).masked_fill(suppress_ap, float("-inf")),
+                (anchors @ anchors.T).masked_fill(suppress_aa, float("-inf")),
+                (positives @ positives.T).masked_fill(suppress_pp, float("-inf")),
+            ],
+            dim=1,
+        )
+        return F.cross_entropy(scores / temperature, rows)
+
+    return loss
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["gist", "cached-gist"])
+def test_gist_masks_candidates_of_the_anchors_document(model, guide, cached):
+    options = {"temperature": 0.05, "document_ids": "label"}
+    if cached:
+        loss = CachedGISTEmbedLoss(model, guide, mini_batch_size=2, **options)
+    else:
+        loss = GISTEmbedLoss(model, guide, **options)
+    columns = text_columns(BATCH, 2, seed=6)
+    expected = loss_and_grads(model, gist_by_hand(model, guide, DOCUMENTS), columns, train=False)
+    assert_same_grads(loss_and_grads(model, with_labels(loss, DOCUMENTS), columns, train=False), expected)
+    unmasked = loss_and_grads(model, gist_by_hand(model, guide, torch.full((BATCH,), -1)), columns, train=False)
+    assert not torch.isclose(unmasked[0], expected[0])

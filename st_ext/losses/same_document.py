@@ -66,3 +66,16 @@ def same_document(anchor_ids: Tensor, candidate_ids: Tensor) -> Tensor:
     """``(anchors, candidates)``: True where a candidate has its anchor's document id (negative ids match nothing)."""
     anchor_ids = anchor_ids.to(candidate_ids.device)
     return (anchor_ids.unsqueeze(1) == candidate_ids.unsqueeze(0)) & (anchor_ids >= 0).unsqueeze(1)
+
+
+def without_same_document(
+    scores: Tensor, row_ids: Tensor | None, candidate_ids: Tensor | None, keep: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """``scores`` (rows x candidates) with -inf where a candidate has its row's document, except at the
+    ``keep`` positions (the rows' targets); ``scores`` itself without ids."""
+    if row_ids is None or candidate_ids is None:
+        return scores
+    same = same_document(row_ids, candidate_ids.to(scores.device))
+    if keep is not None:
+        same[keep] = False
+    return scores.masked_fill(same, -torch.inf)
