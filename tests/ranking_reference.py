@@ -21,9 +21,10 @@ def ranking_loss_by_hand(
     query_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Anchor i's target is ``documents[0][i]``. Candidates: every document (the columns, then the queued
-    ones); with ``query_to_query`` every other anchor and the queued anchors; with ``doc_to_query`` (scored
-    from the positive) every anchor and the queued anchors. With ids, a candidate whose id equals anchor
-    i's (and >= 0) is left out of its scores, but its own positive and, from the positive, itself."""
+        ones); with ``query_to_query`` every other anchor and the queued anchors; with ``doc_to_query`` (scored
+        from the positive) every anchor and the queued anchors; with ``doc_to_doc`` (from the positive) every
+    document but the row's own. With ids, a candidate whose id equals anchor
+        i's (and >= 0) is left out of its scores, but its own positive and, from the positive, itself."""
     rows = torch.arange(len(anchors))
     empty = anchors[:0].detach()
     all_documents = torch.cat([*documents, empty if queued_documents is None else queued_documents])
@@ -44,6 +45,11 @@ def ranking_loss_by_hand(
         blocks["query_to_query"] = to_queries.index_put((rows, rows), torch.tensor(float("-inf")))
     if "doc_to_query" in directions:
         blocks["doc_to_query"] = masked(cos_sim(documents[0], all_queries), query_ids, keep_own=True)
+    if "doc_to_doc" in directions:
+        to_documents = masked(cos_sim(documents[0], all_documents), document_ids, keep_own=False)
+        for column in range(len(documents)):  # the row's own documents are not its negatives
+            to_documents = to_documents.index_put((rows, column * len(anchors) + rows), torch.tensor(float("-inf")))
+        blocks["doc_to_doc"] = to_documents
     blocks = {name: block * scale for name, block in blocks.items()}
     positive = blocks["query_to_doc"][rows, rows]
     if partition_mode == "joint":

@@ -173,10 +173,14 @@ def test_query_bank_refusals_are_one_line(model):
 
 @needs_directions
 @pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
-def test_other_directions_rank_against_the_queued_documents(model, cached):
+@pytest.mark.parametrize(
+    "directions",
+    [("query_to_doc", "query_to_query", "doc_to_query"), ("query_to_doc", "doc_to_doc")],
+    ids=["q2q-d2q", "d2d"],
+)
+def test_other_directions_rank_against_the_queued_documents(model, cached, directions):
     """Without a query bank, directions beyond query_to_doc (refused before the memory scored itself) score
     the batch as the wrapped loss does, with the queued documents among each anchor's candidates."""
-    directions = ("query_to_doc", "query_to_query", "doc_to_query")
     loss = CrossBatchMemoryLoss(model, ranking(model, cached, directions=directions), memory_size=64)
     with torch.enable_grad():
         loss(features_of(model, text_columns(BATCH, 3, seed=1)), None)

@@ -252,3 +252,23 @@ def test_gist_masks_candidates_of_the_anchors_document(model, guide, cached):
     assert_same_grads(loss_and_grads(model, with_labels(loss, DOCUMENTS), columns, train=False), expected)
     unmasked = loss_and_grads(model, gist_by_hand(model, guide, torch.full((BATCH,), -1)), columns, train=False)
     assert not torch.isclose(unmasked[0], expected[0])
+
+
+def test_masking_applies_in_every_direction(model):
+    directions = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+    if "directions" not in inspect.signature(upstream.CachedMultipleNegativesRankingLoss).parameters:
+        pytest.skip(f"sentence-transformers {ST_VERSION}'s ranking losses have no directions")
+    loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=2, directions=directions, document_ids="label")
+
+    def reference(features, _labels):
+        anchors, *documents = [model(f)["sentence_embedding"] for f in features]
+        ids = torch.cat([DOCUMENTS, torch.full_like(DOCUMENTS, -1)])
+        return ranking_loss_by_hand(
+            anchors, documents, directions=directions, anchor_ids=DOCUMENTS, document_ids=ids, query_ids=DOCUMENTS
+        )
+
+    columns = text_columns(BATCH, 3, seed=8)
+    assert_same_grads(
+        loss_and_grads(model, with_labels(loss, DOCUMENTS), columns, train=False),
+        loss_and_grads(model, reference, columns, train=False),
+    )

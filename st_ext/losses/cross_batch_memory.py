@@ -18,6 +18,12 @@ for all anchors), recognising rows by a hash of their non-padding token ids, sto
 label. Queued embeddings come from older parameters: XBM finds they drift slowly enough, so size the
 queue in steps (``memory_size`` ≈ documents per step × a few hundred steps).
 
+With ``query_bank=True`` the anchors are queued too (ContAccum), candidates in the wrapped loss's
+``query_to_query`` and ``doc_to_query`` directions; with ``document_ids`` every candidate of an anchor's
+own document is masked for it (:mod:`st_ext.losses.same_document`), and a copy of a row's positive
+elsewhere in the batch is never its negative. Upstream's scoring takes none of these, so such a step is
+scored by :func:`~st_ext.losses.masked_ranking.masked_ranking_loss` with the wrapped loss's settings.
+
 The queue is read and written only when gradients are enabled (training steps); evaluation computes
 the plain loss. st_ext's trainer saves it in every checkpoint and restores it on resume (a checkpoint
 without it is an error); with an upstream trainer, :class:`CrossBatchMemoryCallback` saves it.
