@@ -128,13 +128,15 @@ def test_upstream_matryoshka_over_the_masked_loss_is_refused(model):
 # Cross-batch memory
 
 
+def upstream_ranking(model, cached: bool):
+    if cached:
+        return upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+    return upstream.MultipleNegativesRankingLoss(model)
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
 def test_memory_masks_queued_documents_of_the_anchors_document(model, cached):
-    inner = (
-        upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
-        if cached
-        else upstream.MultipleNegativesRankingLoss(model)
-    )
+    inner = upstream_ranking(model, cached)
     loss = CrossBatchMemoryLoss(model, inner, memory_size=64, document_ids="label")
     first_ids = torch.tensor([7, 30, 31, 32, 2, 33])
     with torch.enable_grad():
@@ -152,11 +154,7 @@ def test_memory_masks_queued_documents_of_the_anchors_document(model, cached):
 @pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
 def test_a_repeated_row_is_not_its_own_negative(model, cached):
     """Rows 0 and 5 are one row twice: each one's positive is the other's target, never its negative."""
-    inner = (
-        upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
-        if cached
-        else upstream.MultipleNegativesRankingLoss(model)
-    )
+    inner = upstream_ranking(model, cached)
     loss = CrossBatchMemoryLoss(model, inner, memory_size=64)
     columns = text_columns(BATCH, 3, seed=5)
     columns[0][5], columns[1][5] = columns[0][0], columns[1][0]

@@ -25,6 +25,7 @@ from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import make_auto_mini_batch
 from st_ext.losses.cached_loss import CachedLoss, LossStep, described
+from st_ext.losses.chunked_backward import backward_from_leaves, chunk_leaves, chunk_value
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
@@ -245,7 +246,7 @@ def gist_loss(
         # Back-propagating chunk by chunk, every chunk's backward ends at leaves detached from the unit
         # vectors; one final backward takes their summed gradient through the normalisation (and any
         # all-gather), which a per-chunk backward would free early.
-        leaves = [end.detach().requires_grad_() for end in graph_ends] if with_backward else graph_ends
+        leaves = chunk_leaves(graph_ends, with_backward)
         anchors, *candidates = leaves
         guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
         positives, guide_positives = candidates[0], guide_candidates[0]
@@ -279,14 +280,10 @@ def gist_loss(
 
             scores = torch.cat(blocks, dim=1) / temperature
             chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
-            if with_backward:
-                chunk_loss.backward()
-                chunk_loss = chunk_loss.detach()
-            total = total + chunk_loss
+            total = total + chunk_value(chunk_loss, with_backward)
 
         if with_backward:
-            pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
-            torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
+            backward_from_leaves(graph_ends, leaves)
         return total
 
 

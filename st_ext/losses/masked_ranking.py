@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from st_ext._compat import all_gather_with_grad, get_rank
 from st_ext.losses.cached_loss import Reps
+from st_ext.losses.chunked_backward import backward_from_leaves, chunk_leaves, chunk_value
 from st_ext.losses.gathering import gather_from_ranks
 from st_ext.losses.gradcache import chunked_rows
 from st_ext.losses.same_document import NO_DOCUMENT, same_document
@@ -85,10 +86,8 @@ def masked_ranking_loss(
         offset = get_rank() * batch_size
     world_batch_size = len(queries)
 
-    # Chunk by chunk, each backward ends at leaves detached from the (gathered) embeddings; one final
-    # backward takes their summed gradients through the all-gather.
     graph_ends = [queries, *documents]
-    leaves = [end.detach().requires_grad_() for end in graph_ends] if with_backward else graph_ends
+    leaves = chunk_leaves(graph_ends, with_backward)
     queries, *documents = leaves
     device = queries.device
     all_documents = torch.cat([*documents, queued_documents.to(queries.dtype)])
@@ -136,12 +135,8 @@ def masked_ranking_loss(
         else:
             log_z = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
         chunk_loss = -(positive_scores - log_z).mean() * (end - begin) / batch_size
-        if with_backward:
-            chunk_loss.backward()
-            chunk_loss = chunk_loss.detach()
-        total = total + chunk_loss
+        total = total + chunk_value(chunk_loss, with_backward)
 
     if with_backward:
-        pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
-        torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
+        backward_from_leaves(graph_ends, leaves)
     return total
