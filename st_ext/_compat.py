@@ -186,6 +186,13 @@ def ranking_loss_from_embeddings(loss: Any, embeddings: list[Tensor], labels: Te
     return loss.cross_entropy_loss(scores, torch.arange(len(scores), device=scores.device))
 
 
+def ranking_directions(loss: Any) -> tuple[str, ...] | None:
+    """The ``directions`` a MultipleNegativesRankingLoss scores, or None where the installed release has no such
+    option (4.x scores queries against documents only)."""
+    directions = getattr(loss, "directions", None)
+    return None if directions is None else tuple(directions)
+
+
 def upstream_cached_loss_mixin() -> type | None:
     """Upstream's shared GradCache base ``CachedLossMixin`` (5.7+; its ``calculate_loss`` also takes the labels)."""
     try:

@@ -32,7 +32,10 @@ What a DDP step equals, and so which single process it is compared with:
   gradient is the single-process gradient over the concatenated batch.
 * The cross-batch memory gathers every rank's documents into the queue, so after a step every rank
   holds the queue a single process would hold after seeing rank 0's half and then rank 1's; its
-  in-batch negatives stay on the rank (the first point).
+  in-batch negatives stay on the rank (the first point). So do its query bank and document ids.
+* Same-document masking (``document_ids``) names each row's document by the first word of its
+  positive (:func:`first_word_of_positive`): rows of the two ranks share documents, so a gathered step
+  equals the concatenated batch's only if candidates gathered from the other rank are masked too.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def matryoshka_2d_cmnrl(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.M
     return build
 
 
-def cached_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+def cached_gist(gathered: bool, **options) -> Callable[[nn.Module, nn.Module], nn.Module]:
     def build(model: nn.Module, guide: nn.Module) -> nn.Module:
         from st_ext import losses
 
@@ -148,6 +151,7 @@ def cached_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
             mini_batch_size=MINI_BATCH_SIZE,
             contrast_anchors=False,
             gather_across_devices=gathered,
+            **options,
         )
 
     return build
@@ -174,6 +178,49 @@ def cross_batch_memory(model: nn.Module, guide: nn.Module) -> nn.Module:
     return CrossBatchMemoryLoss(model, cached_mnrl(model, gathered=False), memory_size=64)
 
 
+def first_word_of_positive(sentence_features: list[dict], labels: torch.Tensor | None) -> torch.Tensor:
+    """A document id per row: its positive's first token (after [CLS]); the tiny vocabulary repeats them."""
+    return sentence_features[1]["input_ids"][:, 1]
+
+
+def matryoshka_same_document(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+    def build(model: nn.Module, guide: nn.Module) -> nn.Module:
+        from st_ext import losses
+
+        kwargs = {"gather_across_devices": True} if gathered else {}
+        inner = losses.CachedMultipleNegativesRankingLoss(
+            model, mini_batch_size=MINI_BATCH_SIZE, document_ids=first_word_of_positive, **kwargs
+        )
+        return losses.MatryoshkaLoss(model, inner, MATRYOSHKA_DIMS)
+
+    return build
+
+
+def memory_same_document(model: nn.Module, guide: nn.Module) -> nn.Module:
+    from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+
+    inner = cached_mnrl(model, gathered=False)
+    return CrossBatchMemoryLoss(model, inner, memory_size=64, document_ids=first_word_of_positive)
+
+
+def memory_query_bank(model: nn.Module, guide: nn.Module) -> nn.Module:
+    from st_ext import losses
+    from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+
+    directions = ("query_to_doc", "query_to_query", "doc_to_query")
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, directions=directions)
+    return CrossBatchMemoryLoss(model, inner, memory_size=64, query_bank=True)
+
+
+def directions_supported() -> bool:
+    """MultipleNegativesRankingLoss's ``directions`` (a query bank needs them); 4.x has none."""
+    import inspect
+
+    from st_ext._compat import st_losses
+
+    return "directions" in inspect.signature(st_losses().CachedMultipleNegativesRankingLoss.__init__).parameters
+
+
 @dataclass(frozen=True)
 class LossCase:
     """One loss configuration checked under DDP against its single-process reference."""
@@ -182,9 +229,22 @@ class LossCase:
     gathered: bool = False
     steps: int = 1
     checkpointing: bool = False
+    needs_directions: bool = False
 
     def available(self) -> bool:
-        return gather_supported() or not self.gathered
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why the installed sentence-transformers cannot run this case, or None."""
+        from st_ext._compat import ST_VERSION
+
+        if self.gathered and not gather_supported():
+            return f"sentence-transformers {ST_VERSION} has no gather_across_devices (added in 5.x, PR #3442)"
+        if self.needs_directions and not directions_supported():
+            return (
+                f"sentence-transformers {ST_VERSION}'s MultipleNegativesRankingLoss has no directions: no query bank"
+            )
+        return None
 
 
 CASES: dict[str, LossCase] = {
@@ -197,6 +257,14 @@ CASES: dict[str, LossCase] = {
     "cached_gist_gathered": LossCase(cached_gist(gathered=True), gathered=True),
     "self_guided_gist_gathered": LossCase(self_guided_gist, gathered=True),
     "cross_batch_memory": LossCase(cross_batch_memory, steps=2),
+    "matryoshka_same_document": LossCase(matryoshka_same_document(gathered=False)),
+    "matryoshka_same_document_gathered": LossCase(matryoshka_same_document(gathered=True), gathered=True),
+    "cross_batch_memory_same_document": LossCase(memory_same_document, steps=2),
+    "cached_gist_same_document": LossCase(cached_gist(gathered=False, document_ids=first_word_of_positive)),
+    "cached_gist_same_document_gathered": LossCase(
+        cached_gist(gathered=True, document_ids=first_word_of_positive), gathered=True
+    ),
+    "cross_batch_memory_query_bank": LossCase(memory_query_bank, steps=2, needs_directions=True),
 }
 
 
@@ -232,6 +300,12 @@ def queued(loss: nn.Module) -> torch.Tensor | None:
     return None if memory is None or memory.memory_embeddings is None else memory.memory_embeddings.clone()
 
 
+def queued_anchors(loss: nn.Module) -> torch.Tensor | None:
+    """A copy of the loss's query bank, or None (no cross-batch memory, or no query bank)."""
+    memory = memory_of(loss)
+    return None if memory is None or not memory.query_memory.rows else memory.query_memory.embeddings.clone()
+
+
 def features_of(model: nn.Module, columns: list[list[str]]) -> list[dict]:
     from st_ext._compat import preprocess
 
@@ -251,6 +325,7 @@ def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: nn.Mo
     optimizer.zero_grad(set_to_none=True)
     record["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     record["memory"] = queued(loss)
+    record["query_memory"] = queued_anchors(loss)
 
 
 def single_process_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
@@ -441,6 +516,7 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str)
         optimizer.zero_grad(set_to_none=True)
         record["params"] = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
         record["memory"] = queued(loss)
+        record["query_memory"] = queued_anchors(loss)
         records.append(record)
     return records
 
@@ -502,6 +578,7 @@ def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) 
         engine.step()
         record["params"] = {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
         record["memory"] = queued(loss)
+        record["query_memory"] = queued_anchors(loss)
         records.append(record)
     engine.destroy()
     return records

@@ -418,11 +418,11 @@ class TwoRanks:
 
 @pytest.mark.parametrize("own_rows, other_rows", [(3, 1), (1, 3), (2, 2), (0, 2)])
 def test_gather_pads_unequal_ranks_and_keeps_rank_order(monkeypatch, own_rows, other_rows):
-    import st_ext.losses.cross_batch_memory as cross_batch_memory
+    import st_ext.losses.gathering as gathering
 
     other = torch.arange(other_rows * 2.0).reshape(other_rows, 2) + 100
     own = torch.arange(own_rows * 2.0).reshape(own_rows, 2)
-    monkeypatch.setattr(cross_batch_memory, "dist", TwoRanks(other))
+    monkeypatch.setattr(gathering, "dist", TwoRanks(other))
     assert torch.equal(gather_from_ranks(own), torch.cat([other, own]))
 
 
@@ -482,7 +482,6 @@ def test_unsupported_losses_are_explained(model, make_loss, error, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"directions": ("query_to_doc", "doc_to_query")}, r"needs directions=\('query_to_doc',\).*leave directions"),
         ({"hardness_mode": "all_negatives", "hardness_strength": 1.0}, "leave them at their defaults"),
         ({"gather_across_devices": True}, "set gather_across_devices=False"),
     ],

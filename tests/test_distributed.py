@@ -34,8 +34,6 @@ import transformers
 from packaging.version import Version
 from tiny_models import save_tiny_bert
 
-from st_ext._compat import ST_VERSION
-
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(worker.__file__)
@@ -243,14 +241,16 @@ def assert_same_step(ranks: list[dict], reference: dict, gathered: bool, step: i
         torch.testing.assert_close(rank_losses.mean(), torch.tensor(reference["loss"]), rtol=1e-5, atol=1e-6)
     else:
         torch.testing.assert_close(rank_losses, torch.tensor(reference["rank_losses"]), rtol=1e-5, atol=1e-6)
-    if reference["memory"] is not None:
-        for result in ranks:
-            torch.testing.assert_close(result["memory"], reference["memory"], rtol=1e-4, atol=1e-6)
+    for queue in ("memory", "query_memory"):
+        if reference.get(queue) is not None:
+            for result in ranks:
+                torch.testing.assert_close(result[queue], reference[queue], rtol=1e-4, atol=1e-6)
 
 
 def require_available(name: str) -> None:
-    if not worker.CASES[name].available():
-        pytest.skip(f"sentence-transformers {ST_VERSION} has no gather_across_devices (added in 5.x, PR #3442)")
+    reason = worker.CASES[name].unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +355,30 @@ def test_memory_holds_every_ranks_documents(loss_run):
     for step, ranks in enumerate(zip(*rank_results(loss_run, "cross_batch_memory"))):
         assert [len(result["memory"]) for result in ranks] == [documents_per_step * (step + 1)] * worker.WORLD_SIZE
         torch.testing.assert_close(ranks[1]["memory"], ranks[0]["memory"], rtol=0, atol=0)
+
+
+def test_query_bank_holds_every_ranks_anchors(loss_run):
+    """After a step each rank's query bank holds the anchors of both ranks, in rank order."""
+    require_available("cross_batch_memory_query_bank")
+    for step, ranks in enumerate(zip(*rank_results(loss_run, "cross_batch_memory_query_bank"))):
+        rows = worker.WORLD_SIZE * worker.ROWS_PER_RANK * (step + 1)
+        assert [len(result["query_memory"]) for result in ranks] == [rows] * worker.WORLD_SIZE
+        torch.testing.assert_close(ranks[1]["query_memory"], ranks[0]["query_memory"], rtol=0, atol=0)
+
+
+def test_same_document_masking_reaches_across_ranks(loss_run, model_dirs):
+    """The ranks' batches share documents, so the gathered step (equal to the concatenated batch's above)
+    masks candidates gathered from the other rank; the masking changes the step."""
+    require_available("matryoshka_same_document_gathered")
+    model = worker.load_model(model_dirs["model"])
+    shares = [worker.rank_share(worker.global_batch(0), rank) for rank in range(worker.WORLD_SIZE)]
+    ids = [worker.first_word_of_positive(worker.features_of(model, share), None) for share in shares]
+    assert set(ids[0].tolist()) & set(ids[1].tolist()), "no document on both ranks: the check proves nothing"
+    masked = rank_results(loss_run, "matryoshka_same_document_gathered")[0][0]
+    plain = rank_results(loss_run, "matryoshka_cmnrl_gathered")[0][0]
+    assert any(
+        not torch.allclose(masked["grads"][key], plain["grads"][key], rtol=1e-3, atol=1e-6) for key in plain["grads"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------

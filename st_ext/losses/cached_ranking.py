@@ -1,8 +1,10 @@
 """Upstream's cached ranking losses on st_ext's GradCache engine, with ``mini_batch_size="auto"``.
 
 The classes subclass upstream's: its constructor (the installed release's arguments, in its order,
-plus the keyword-only ``memory_budget_mb``), its ``calculate_loss`` (every option of the installed
-release) and its model card; only the forward pass is st_ext's. A subclass that overrides a step of
+plus the keyword-only ``memory_budget_mb`` and, for CachedMultipleNegativesRankingLoss, ``document_ids``), its
+``calculate_loss`` (every option of the installed release) and its model card; only the forward pass is
+st_ext's. With ``document_ids`` the loss over embeddings is :func:`~st_ext.losses.masked_ranking.masked_ranking_loss`
+instead, which masks candidates from an anchor's own document (:mod:`st_ext.losses.same_document`). A subclass that overrides a step of
 upstream's engine runs upstream's forward instead (:mod:`st_ext.losses.overrides`).
 """
 
@@ -14,14 +16,17 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from st_ext._compat import st_losses, upstream_cached_loss_mixin
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
 from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described
-from st_ext.losses.gradcache import Features, gradcache_forward
+from st_ext.losses.gradcache import Features, batch_size_of, gradcache_forward
+from st_ext.losses.masked_ranking import CandidateIds, check_scoring_options, masked_ranking_loss
 from st_ext.losses.overrides import upstream_hook_overrides
+from st_ext.losses.same_document import NO_DOCUMENT, DocumentIds, batch_document_ids, check_document_ids
 
 _upstream = st_losses()
 #: 5.7+'s shared GradCache base (None before): every loss on it takes the labels in ``calculate_loss``.
@@ -37,8 +42,14 @@ class CachedRankingMixin:
 
     st_ext_upstream_class: type
 
-    def _set_up(self, memory_budget_mb: float | None, upstream_arguments: dict[str, Any]) -> None:
-        """Upstream's constructor (and its deprecation warning, where it has one), then the auto mode."""
+    def _set_up(
+        self,
+        memory_budget_mb: float | None,
+        upstream_arguments: dict[str, Any],
+        document_ids: DocumentIds | None = None,
+    ) -> None:
+        """Upstream's constructor (and its deprecation warning, where it has one), then the auto mode and the
+        same-document masking."""
         upstream_class = self.st_ext_upstream_class
         if getattr(upstream_class, "__deprecated__", None):
             # The user's call: this frame, the class's __init__ and its argument binder are st_ext's.
@@ -55,6 +66,17 @@ class CachedRankingMixin:
         self.memory_budget_mb = memory_budget_mb
         # Whether upstream's forward must run this loss: fixed by its class, so decided once, here.
         self._runs_upstream_forward = bool(upstream_hook_overrides(self, upstream_class))
+        name = type(self).__name__
+        check_document_ids(document_ids, name)
+        if document_ids is not None:
+            check_scoring_options(self, f"{name} with document_ids")
+            if self._runs_upstream_forward:
+                raise TypeError(
+                    f"{name} overrides a step of upstream's engine, which knows no document ids: drop document_ids "
+                    "or the override."
+                )
+        #: Where each row's document id comes from (:mod:`st_ext.losses.same_document`); None: no masking.
+        self.document_ids = document_ids
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -62,12 +84,21 @@ class CachedRankingMixin:
             raise ValueError(f"Expected at least 2 inputs, got {len(sentence_features)}")
         if self._runs_upstream_forward:
             return super().forward(sentence_features, labels)
+        if self.document_ids is not None:
+            if "calculate_loss" in vars(self):
+                raise TypeError(
+                    f"{type(self).__name__} with document_ids scores its candidates itself, so upstream's "
+                    "MatryoshkaLoss cannot truncate them: use st_ext.losses.MatryoshkaLoss."
+                )
+            return gradcache_forward(same_document_cached_loss(self), sentence_features, labels)
         return gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss | None:
         """This loss for the engine and the wrappers around it; None for a subclass that overrides a step of
         upstream's engine, which only upstream's forward calls."""
-        return None if self._runs_upstream_forward else upstream_cached_loss(self)
+        if self._runs_upstream_forward:
+            return None
+        return upstream_cached_loss(self) if self.document_ids is None else same_document_cached_loss(self)
 
 
 def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
@@ -88,6 +119,27 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
 
         def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
             return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
+
+        return LossStep(lambda: loss_fn)
+
+    return described(loss, start)
+
+
+def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
+    """A cached ranking loss whose candidates from an anchor's own document (``loss.document_ids``: each row's,
+    the positive's) are not its negatives: the anchors and positives of that document, gathered ones too."""
+
+    def start(sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
+        rows = batch_size_of(sentence_features[0])
+
+        def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+            anchors = batch_document_ids(loss.document_ids, sentence_features, labels, rows)
+            unknown = torch.full_like(anchors, NO_DOCUMENT)
+            ids = CandidateIds(anchors, [anchors] + [unknown] * (len(reps) - 2), anchors[:0], anchors[:0])
+            nothing_queued = [[reps[0][0][:0].detach()]]
+            return masked_ranking_loss(
+                loss, reps + nothing_queued * 2, ids, chunk_size=mini_batch_size, with_backward=with_backward
+            )
 
         return LossStep(lambda: loss_fn)
 
@@ -121,8 +173,14 @@ with warnings.catch_warnings():
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
-        def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
-            self._set_up(memory_budget_mb, upstream_arguments)
+        def __init__(
+            self,
+            *,
+            memory_budget_mb: float | None = None,
+            document_ids: DocumentIds | None = None,
+            **upstream_arguments: Any,
+        ) -> None:
+            self._set_up(memory_budget_mb, upstream_arguments, document_ids)
 
     @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
     class CachedMultipleNegativesSymmetricRankingLoss(

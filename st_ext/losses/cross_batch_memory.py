@@ -18,6 +18,12 @@ for all anchors), recognising rows by a hash of their non-padding token ids, sto
 label. Queued embeddings come from older parameters: XBM finds they drift slowly enough, so size the
 queue in steps (``memory_size`` ≈ documents per step × a few hundred steps).
 
+With ``query_bank=True`` the anchors are queued too (ContAccum), candidates in the wrapped loss's
+``query_to_query`` and ``doc_to_query`` directions; with ``document_ids`` every candidate of an anchor's
+own document is masked for it (:mod:`st_ext.losses.same_document`), and a copy of a row's positive
+elsewhere in the batch is never its negative. Upstream's scoring takes none of these, so such a step is
+scored by :func:`~st_ext.losses.masked_ranking.masked_ranking_loss` with the wrapped loss's settings.
+
 The queue is read and written only when gradients are enabled (training steps); evaluation computes
 the plain loss. st_ext's trainer saves it in every checkpoint and restores it on resume (a checkpoint
 without it is an error); with an upstream trainer, :class:`CrossBatchMemoryCallback` saves it.
@@ -40,16 +46,27 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from st_ext._compat import (
+    ST_VERSION,
     is_gradient_caching,
     loss_model,
+    ranking_directions,
     ranking_loss_from_embeddings,
     st_losses,
     upstream_loss_class,
 )
 from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
 from st_ext.losses.cached_ranking import CachedMultipleNegativesSymmetricRankingLoss
+from st_ext.losses.gathering import gather_from_ranks
 from st_ext.losses.gradcache import Features, Reps, batch_size_of, gradcache_forward, row_keys
 from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.masked_ranking import CandidateIds, masked_ranking_loss
+from st_ext.losses.same_document import (
+    NO_DOCUMENT,
+    DocumentIds,
+    batch_document_ids,
+    check_document_ids,
+    same_document,
+)
 from st_ext.losses.triplet import check_triplet_labels, triplet_loss_from_embeddings, triplet_settings
 
 logger = logging.getLogger(__name__)
@@ -59,6 +76,8 @@ DEFAULT_MEMORY_SIZE = 1024
 MEMORY_STATE_FORMAT = 1
 #: Upstream's ranking losses that also rank documents against queries, which a memory of documents cannot.
 SYMMETRIC_RANKING_LOSSES = ("MultipleNegativesSymmetricRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss")
+#: The directions of upstream's MNRL in which queries are candidates: where a query bank is scored.
+QUERY_DIRECTIONS = ("query_to_query", "doc_to_query")
 
 XBM_CITATION = """
 @inproceedings{wang2020xbm,
@@ -79,7 +98,8 @@ XBM_CITATION = """
 @dataclass(frozen=True)
 class MemoryBank:
     """The queue: rows oldest first, never part of a graph. ``labels`` are class labels (triplet losses)
-    or document keys (ranking losses, :func:`document_keys`).
+    or document keys (ranking losses, :func:`document_keys`); ``document_ids``, where the loss masks by
+    document, the document id of each row (:mod:`st_ext.losses.same_document`).
 
     Updates build a new bank rather than write into this one: the graph of the step that read it may
     still need its tensors for the backward pass.
@@ -87,6 +107,7 @@ class MemoryBank:
 
     embeddings: Tensor | None = None
     labels: Tensor | None = None
+    document_ids: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -112,46 +133,29 @@ def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Te
     return bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(embeddings.device)
 
 
-def enqueue(bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int) -> MemoryBank:
+def enqueue(
+    bank: MemoryBank, embeddings: Tensor, labels: Tensor, memory_size: int, document_ids: Tensor | None = None
+) -> MemoryBank:
     """A new bank: the old rows followed by these (detached, in the bank's dtype, on their own device),
     keeping the newest ``memory_size``."""
-    embeddings, labels = embeddings.detach(), labels.detach()
-    if len(labels) != len(embeddings):
+    new = [embeddings.detach(), labels.detach()] + ([] if document_ids is None else [document_ids.detach()])
+    if any(len(part) != len(new[0]) for part in new[1:]):
         raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")
     if bank.rows:
         check_fits(bank.embeddings, embeddings)
-        embeddings = embeddings.to(bank.embeddings.dtype)
-        labels = labels.to(bank.labels.dtype)
-        old_embeddings = bank.embeddings.to(embeddings.device)
-        old_labels = bank.labels.to(labels.device)
+        if (bank.document_ids is None) != (document_ids is None):
+            raise ValueError("Rows with and without document ids cannot share a cross-batch memory.")
+        old = [bank.embeddings, bank.labels] + ([] if document_ids is None else [bank.document_ids])
+        new = [part.to(old_part.dtype) for part, old_part in zip(new, old)]
     else:
-        old_embeddings, old_labels = embeddings[:0], labels[:0]
-    keep_new = min(len(embeddings), memory_size)
-    keep_old = min(len(old_embeddings), memory_size - keep_new)
-    return MemoryBank(
-        torch.cat([old_embeddings[len(old_embeddings) - keep_old :], embeddings[len(embeddings) - keep_new :]]),
-        torch.cat([old_labels[len(old_labels) - keep_old :], labels[len(labels) - keep_new :]]),
-    )
-
-
-def gather_from_ranks(tensor: Tensor) -> Tensor:
-    """Every rank's rows, in rank order, on every rank (detached); ``tensor`` itself when not distributed.
-
-    Ranks may hold different numbers of rows (a last, shorter batch): sizes go first, and rows travel
-    padded to the largest.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor
-    tensor = tensor.detach().contiguous()
-    world_size = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([len(tensor)], dtype=torch.int64, device=tensor.device))
-    sizes = [int(size) for size in sizes]
-    padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
-    padded[: len(tensor)] = tensor
-    parts = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+        old = [part[:0] for part in new]
+    keep_new = min(len(new[0]), memory_size)
+    keep_old = min(len(old[0]), memory_size - keep_new)
+    kept = [
+        torch.cat([old_part.to(part.device)[len(old_part) - keep_old :], part[len(part) - keep_new :]])
+        for part, old_part in zip(new, old)
+    ]
+    return MemoryBank(*kept)
 
 
 def document_keys(features: Features) -> Tensor:
@@ -176,12 +180,6 @@ def document_keys(features: Features) -> Tensor:
 
 def check_ranking_options(loss: nn.Module) -> None:
     """Refuse the MNRL options whose meaning extra candidates without their queries cannot carry."""
-    directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
-    if directions != ("query_to_doc",):
-        raise ValueError(
-            f"CrossBatchMemoryLoss ranks queries against queued documents only, so it needs directions=('query_to_doc',) "
-            f"(got {directions}): leave directions at its default."
-        )
     if getattr(loss, "hardness_mode", None) is not None and getattr(loss, "hardness_strength", 0.0) > 0:
         raise ValueError(
             "CrossBatchMemoryLoss does not support hardness_mode/hardness_strength on the wrapped MNRL (queued "
@@ -191,6 +189,21 @@ def check_ranking_options(loss: nn.Module) -> None:
         raise ValueError(
             "CrossBatchMemoryLoss does not support gather_across_devices=True on the wrapped MNRL (the memory already "
             "holds every rank's documents of earlier steps): set gather_across_devices=False."
+        )
+
+
+def check_query_bank(loss: nn.Module) -> None:
+    """A query bank needs a direction that scores queries as candidates."""
+    directions = ranking_directions(loss)
+    if directions is None:
+        raise ValueError(
+            f"query_bank=True needs the directions option of {type(loss).__name__} ('query_to_query', "
+            f"'doc_to_query'), which sentence-transformers {ST_VERSION} lacks: upgrade it, or leave query_bank off."
+        )
+    if not set(QUERY_DIRECTIONS) & set(directions):
+        raise ValueError(
+            f"query_bank=True adds earlier anchors to the 'query_to_query' and 'doc_to_query' directions, and the "
+            f"wrapped loss scores neither (directions={directions}): add one of them to its directions."
         )
 
 
@@ -220,10 +233,35 @@ def queued_candidates(bank: MemoryBank, anchors: Tensor, batch_keys: Tensor | No
     return [[queued]] if len(queued) else []
 
 
+@dataclass(frozen=True)
+class BatchDocuments:
+    """What a ranking step knows of its batch before any embedding: the key of every document row (columns
+    after the anchors, in order) and the number of rows."""
+
+    keys: Tensor
+    rows: int
+
+    @property
+    def positive_keys(self) -> Tensor:
+        return self.keys[: self.rows]
+
+    def repeats_a_positive(self) -> bool:
+        """Whether some row's positive comes back elsewhere in the batch (a repeated row, or the same text
+        paired with another query): upstream's scoring would count it as a negative of that row."""
+        copies = same_document(self.positive_keys, self.keys)
+        rows = torch.arange(self.rows, device=self.keys.device)
+        copies[rows, rows] = False
+        return bool(copies.any())
+
+
 class RankingMemory:
-    """A queue of documents for a ranking loss (MultipleNegativesRankingLoss, its cached forms and their
-    subclasses): handed to the wrapped loss's own scoring as one more column of candidates, so every
-    option it has runs as it does without a memory."""
+    """A queue of documents (and, with a query bank, of anchors) for a ranking loss
+    (MultipleNegativesRankingLoss, its cached forms and their subclasses).
+
+    Queued documents are handed to the wrapped loss's own scoring as one more column of candidates, so
+    every option it has runs as it does without a memory. Where that scoring cannot say it (a query bank,
+    candidates masked per anchor, directions other than ``query_to_doc``), the memory scores with
+    :func:`~st_ext.losses.masked_ranking.masked_ranking_loss`, which follows the wrapped loss's settings."""
 
     def __init__(self, loss: nn.Module) -> None:
         check_ranking_options(loss)
@@ -233,13 +271,27 @@ class RankingMemory:
         self, memory: CrossBatchMemoryLoss, sentence_features: list[Features], labels: Tensor | None
     ) -> Tensor:
         """A step of a loss that embeds the batch in one pass (MultipleNegativesRankingLoss)."""
-        keys = ranking_keys(self.loss, sentence_features)
+        batch = BatchDocuments(ranking_keys(self.loss, sentence_features), batch_size_of(sentence_features[0]))
         training = torch.is_grad_enabled()
         embeddings = [memory.model(features)["sentence_embedding"] for features in sentence_features]
-        added = queued_candidates(memory.bank(None), embeddings[0], memory.dropped_keys(keys)) if training else []
-        value = ranking_loss_from_embeddings(self.loss, embeddings + [torch.cat(column) for column in added], labels)
+        reps = [[column] for column in embeddings]
+        if memory.scores_itself(batch):
+            ids = memory.candidate_ids(batch, sentence_features, labels, training)
+            columns = memory.queued_columns(None, embeddings[0], batch, training)
+            value = masked_ranking_loss(
+                self.loss, reps + columns, ids, chunk_size=max(batch.rows, 1), with_backward=False
+            )
+        else:
+            added = (
+                queued_candidates(memory.bank(None), embeddings[0], memory.dropped_keys(batch.keys))
+                if training
+                else []
+            )
+            value = ranking_loss_from_embeddings(
+                self.loss, embeddings + [torch.cat(column) for column in added], labels
+            )
         if training:
-            memory.push(None, torch.cat(embeddings[1:]), keys)
+            memory.enqueue_batch(None, reps, batch, sentence_features, labels)
         return value
 
     def cached_loss(self, memory: CrossBatchMemoryLoss) -> CachedLoss:
@@ -258,20 +310,37 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
     Each layer has its own queue: one for all layers would put final-layer embeddings among an earlier
     layer's candidates, another embedding space. A layer's queue grows only on steps that sample it (with
     ``n_layers_per_step=1`` of L layers, about L times more slowly, so its rows are older), and every queue
-    holds up to ``memory_size`` rows: (sampled layers + 1) × ``memory_size`` embeddings in all."""
+    holds up to ``memory_size`` rows: (sampled layers + 1) × ``memory_size`` embeddings in all.
+
+    Where the memory scores itself (:class:`RankingMemory`), every output gets two columns, the queued
+    documents and the queued anchors (either may have no rows), and the loss over embeddings is
+    :func:`~st_ext.losses.masked_ranking.masked_ranking_loss` at the engine's mini-batch size."""
 
     def queued(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
-        keys = ranking_keys(memory.loss, sentence_features)
+        batch = BatchDocuments(ranking_keys(memory.loss, sentence_features), batch_size_of(sentence_features[0]))
         training = torch.is_grad_enabled()
+        scores_itself = memory.scores_itself(batch)
+        #: The labels the step's loss saw (the document ids may be read from them when the batch is enqueued).
+        seen_labels: list[Tensor | None] = []
 
         def candidates(sources: list, outputs: list[Reps]) -> list[Reps]:
             added = step.candidates(sources, outputs)
+            if scores_itself:
+                return [
+                    columns + memory.queued_columns(source, torch.cat(reps[0]), batch, training)
+                    for columns, source, reps in zip(added, sources, outputs)
+                ]
             if not training:
                 return added
             return [
-                columns + queued_candidates(memory.bank(source), torch.cat(reps[0]), memory.dropped_keys(keys))
+                columns + queued_candidates(memory.bank(source), torch.cat(reps[0]), memory.dropped_keys(batch.keys))
                 for columns, source, reps in zip(added, sources, outputs)
             ]
+
+        def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
+            seen_labels[:] = [labels]
+            ids = memory.candidate_ids(batch, sentence_features, labels, training)
+            return masked_ranking_loss(memory.loss, reps, ids, chunk_size=mini_batch_size, with_backward=with_backward)
 
         def finish(sources: list, outputs: list[Reps]) -> None:
             step.finish(sources, outputs)
@@ -279,9 +348,12 @@ def with_queue(memory: CrossBatchMemoryLoss, description: CachedLoss) -> CachedL
                 return
             if sources != [None]:
                 _check_same_layers_on_every_rank(sources)
+            labels = seen_labels[0] if seen_labels else None
             for source, reps in zip(sources, outputs):
-                memory.push(source, document_rows(reps), keys)
+                memory.enqueue_batch(source, reps, batch, sentence_features, labels)
 
+        if scores_itself:
+            return replace(step, candidates=candidates, finish=finish, draw=lambda: loss_fn)
         return replace(step, candidates=candidates, finish=finish)
 
     return with_loss(description, type(memory).__name__, queued)
@@ -389,7 +461,14 @@ class CrossBatchMemoryLoss(nn.Module):
         memory_size: how many rows the queue keeps (the newest).
         mask_own_positive: ranking losses only: leave out of the step's candidates every queued row
             with the token ids of one of the batch's documents (a queued copy of a row's own positive
-            would be a false negative), instead of counting it as a negative.
+            would be a false negative), instead of counting it as a negative; and a copy of a row's
+            positive elsewhere in the batch (a repeated row) is not that row's negative either.
+        query_bank: ranking losses only, keyword-only: also queue the anchors, which become candidates
+            in the wrapped loss's ``query_to_query`` and ``doc_to_query`` directions (it must score one
+            of them; sentence-transformers releases without ``directions`` cannot).
+        document_ids: ranking losses only, keyword-only: ``"label"`` or a function of the batch giving
+            each row's document id (:mod:`st_ext.losses.same_document`); candidates of an anchor's own
+            document, in the batch or queued, are not its negatives. Defaults to the wrapped loss's.
 
     With an empty queue the value and gradients are the wrapped loss's. The queue is updated only on
     training steps (gradients enabled); :meth:`memory_state` / :meth:`load_memory_state` save and
@@ -403,6 +482,8 @@ class CrossBatchMemoryLoss(nn.Module):
         memory_size: int = DEFAULT_MEMORY_SIZE,
         *,
         mask_own_positive: bool = True,
+        query_bank: bool = False,
+        document_ids: DocumentIds | None = None,
     ):
         super().__init__()
         # Checked here: a zero or fractional size would otherwise surface as an empty slice.
@@ -422,11 +503,30 @@ class CrossBatchMemoryLoss(nn.Module):
         self.loss = loss
         self.memory_size = int(memory_size)
         self.mask_own_positive = mask_own_positive
+        check_document_ids(document_ids, type(self).__name__)
+        wrapped_ids = getattr(loss, "document_ids", None)
+        if document_ids is not None and wrapped_ids is not None and document_ids is not wrapped_ids:
+            raise ValueError(
+                "Give document_ids to CrossBatchMemoryLoss or to the loss it wraps, not different ones to both."
+            )
+        document_ids = wrapped_ids if document_ids is None else document_ids
+        if (query_bank or document_ids is not None) and not isinstance(self.joined, RankingMemory):
+            raise ValueError(
+                f"query_bank and document_ids apply to ranking losses; {type(loss).__name__} takes labelled rows."
+            )
+        if query_bank:
+            check_query_bank(loss)
+        self.query_bank = query_bank
+        #: Where each row's document id comes from (:mod:`st_ext.losses.same_document`); None: by token ids.
+        self.document_ids = document_ids
         self.uses_gradient_cache = is_gradient_caching(loss)
         self.memory = MemoryBank()
         #: Queues of earlier layers' embeddings, by hidden-state index, for a layer-wise loss
         #: (:mod:`st_ext.losses.adaptive_layer`): each layer ranks against its own queue.
         self.layer_memory: dict[int, MemoryBank] = {}
+        #: The query bank (earlier anchors, ``query_bank=True``), and a layer-wise loss's per layer.
+        self.query_memory = MemoryBank()
+        self.layer_query_memory: dict[int, MemoryBank] = {}
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         if self.uses_gradient_cache:
@@ -443,18 +543,140 @@ class CrossBatchMemoryLoss(nn.Module):
         """The keys whose queued rows a step with these documents leaves out (``mask_own_positive``)."""
         return batch_keys if self.mask_own_positive else None
 
-    def bank(self, layer: int | None) -> MemoryBank:
-        """The queue of ``layer`` (a hidden-state index), or of the model's output for None."""
+    def bank(self, layer: int | None, *, queries: bool = False) -> MemoryBank:
+        """The queue of ``layer`` (a hidden-state index), or of the model's output for None; with ``queries``,
+        its query bank."""
+        if queries:
+            return self.query_memory if layer is None else self.layer_query_memory.get(layer, MemoryBank())
         return self.memory if layer is None else self.layer_memory.get(layer, MemoryBank())
 
-    def push(self, layer: int | None, rows: Tensor, row_labels: Tensor) -> None:
-        """Enqueue this step's rows (every rank's, under DDP) into ``layer``'s queue."""
+    def push(
+        self,
+        layer: int | None,
+        rows: Tensor,
+        row_labels: Tensor,
+        document_ids: Tensor | None = None,
+        *,
+        queries: bool = False,
+    ) -> None:
+        """Enqueue this step's rows (every rank's, under DDP) into ``layer``'s queue (or query bank)."""
         row_labels = row_labels.to(rows.device)
-        bank = enqueue(self.bank(layer), gather_from_ranks(rows), gather_from_ranks(row_labels), self.memory_size)
-        if layer is None:
-            self.memory = bank
+        if document_ids is not None:
+            document_ids = gather_from_ranks(document_ids.to(rows.device))
+        bank = enqueue(
+            self.bank(layer, queries=queries),
+            gather_from_ranks(rows),
+            gather_from_ranks(row_labels),
+            self.memory_size,
+            document_ids,
+        )
+        memories = (self.query_memory, self.layer_query_memory) if queries else (self.memory, self.layer_memory)
+        if layer is not None:
+            memories[1][layer] = bank
+        elif queries:
+            self.query_memory = bank
         else:
-            self.layer_memory[layer] = bank
+            self.memory = bank
+
+    # -- ranking steps ---------------------------------------------------------------------------
+
+    def scores_itself(self, batch: BatchDocuments) -> bool:
+        """Whether this step needs :func:`~st_ext.losses.masked_ranking.masked_ranking_loss`: the wrapped loss's
+        scoring takes neither queued anchors, nor masks per anchor, nor a queue in other directions."""
+        return (
+            self.query_bank
+            or self.document_ids is not None
+            or ranking_directions(self.loss) not in (None, ("query_to_doc",))
+            or (self.mask_own_positive and batch.repeats_a_positive())
+        )
+
+    def _batch_document_ids(self, batch: BatchDocuments, sentence_features: list[Features], labels) -> Tensor:
+        return batch_document_ids(self.document_ids, sentence_features, labels, batch.rows).to(batch.keys.device)
+
+    def _queued_kept(self, source: int | None, batch: BatchDocuments) -> tuple[Tensor | None, Tensor | None]:
+        """Which rows of ``source``'s queue and query bank a step ranks against: by token ids, queued copies of
+        the batch's documents (and, in the query bank, of its anchors' positives) are dropped for every anchor
+        (``mask_own_positive``); by document ids the loss masks them per anchor instead. None: no such bank."""
+        if self.document_ids is not None and source is not None:
+            raise ValueError(
+                "CrossBatchMemoryLoss with document_ids keeps no per-layer document ids: use it without "
+                "AdaptiveLayerLoss/Matryoshka2dLoss, or without document_ids."
+            )
+
+        def kept(bank: MemoryBank, dropped: Tensor | None) -> Tensor:
+            if not bank.rows or dropped is None:
+                return torch.ones(bank.rows, dtype=torch.bool)
+            return ~torch.isin(bank.labels, dropped.to(bank.labels.device)).cpu()
+
+        by_ids = self.document_ids is not None
+        documents = kept(self.bank(source), self.dropped_keys(batch.keys))
+        if not self.query_bank:
+            return documents, None
+        dropped = None if by_ids or not self.mask_own_positive else batch.positive_keys
+        return documents, kept(self.bank(source, queries=True), dropped)
+
+    def queued_columns(self, source: int | None, anchors: Tensor, batch: BatchDocuments, training: bool) -> Reps:
+        """The queued documents and the queued anchors this step ranks against, as two candidate columns (on the
+        anchors' device and dtype; no rows outside training or without a query bank)."""
+        nothing = anchors[:0].detach()
+        if not training:
+            return [[nothing], [nothing]]
+        kept_documents, kept_queries = self._queued_kept(source, batch)
+
+        def rows(bank: MemoryBank, kept: Tensor | None) -> Tensor:
+            queued, _ = memory_like(bank, anchors)
+            return nothing if queued is None or kept is None else queued[kept.to(queued.device)]
+
+        return [[rows(self.bank(source), kept_documents)], [rows(self.bank(source, queries=True), kept_queries)]]
+
+    def candidate_ids(
+        self, batch: BatchDocuments, sentence_features: list[Features], labels, training: bool
+    ) -> CandidateIds:
+        """The document ids of the step's candidates: each row's (its document id, or by token ids its
+        positive's key when ``mask_own_positive``; else none), each document column's, and the queued rows'
+        in :meth:`queued_columns`' order (by token ids none: the copies are dropped)."""
+        device = batch.keys.device
+        columns = len(batch.keys) // max(batch.rows, 1)
+
+        def unknown(count: int) -> Tensor:
+            return torch.full((count,), NO_DOCUMENT, dtype=torch.int64, device=device)
+
+        queued_documents, queued_queries = unknown(0), unknown(0)
+        if training:
+            kept_documents, kept_queries = self._queued_kept(None, batch)
+            if self.document_ids is not None:
+                if self.memory.rows:
+                    queued_documents = self.memory.document_ids[kept_documents.to(self.memory.document_ids.device)].to(
+                        device
+                    )
+                if kept_queries is not None and self.query_memory.rows:
+                    queued_queries = self.query_memory.labels[kept_queries.to(self.query_memory.labels.device)].to(
+                        device
+                    )
+            else:
+                queued_documents = unknown(int(kept_documents.sum()))
+                queued_queries = unknown(0 if kept_queries is None else int(kept_queries.sum()))
+        if self.document_ids is not None:
+            anchors = self._batch_document_ids(batch, sentence_features, labels)
+            column_ids = [anchors] + [unknown(batch.rows)] * (columns - 1)
+        elif self.mask_own_positive:
+            anchors, column_ids = batch.positive_keys, list(batch.keys.split(batch.rows))
+        else:
+            anchors, column_ids = unknown(batch.rows), [unknown(batch.rows)] * columns
+        return CandidateIds(anchors, column_ids, queued_documents, queued_queries)
+
+    def enqueue_batch(
+        self, source: int | None, reps: Reps, batch: BatchDocuments, sentence_features: list[Features], labels
+    ) -> None:
+        """Enqueue the step's documents (and anchors, with a query bank) into ``source``'s queues."""
+        document_ids, anchor_labels = None, batch.positive_keys
+        if self.document_ids is not None:
+            anchor_labels = self._batch_document_ids(batch, sentence_features, labels)
+            unknown = torch.full_like(anchor_labels, NO_DOCUMENT)
+            document_ids = torch.cat([anchor_labels] + [unknown] * (len(reps) - 2))
+        self.push(source, document_rows(reps), batch.keys, document_ids)
+        if self.query_bank:
+            self.push(source, torch.cat(reps[0]), anchor_labels, queries=True)
 
     @property
     def memory_embeddings(self) -> Tensor | None:
@@ -469,19 +691,24 @@ class CrossBatchMemoryLoss(nn.Module):
     def reset_memory(self) -> None:
         self.memory = MemoryBank()
         self.layer_memory = {}
+        self.query_memory = MemoryBank()
+        self.layer_query_memory = {}
 
     def memory_state(self) -> dict[str, Any]:
         """The queues as CPU tensors, for ``torch.save``; :meth:`load_memory_state` restores them as they were."""
 
         def saved(bank: MemoryBank) -> dict[str, Tensor | None]:
-            return {
-                "embeddings": None if bank.embeddings is None else bank.embeddings.detach().cpu().clone(),
-                "labels": None if bank.labels is None else bank.labels.detach().cpu().clone(),
-            }
+            fields = {"embeddings": bank.embeddings, "labels": bank.labels}
+            if bank.document_ids is not None:
+                fields["document_ids"] = bank.document_ids
+            return {name: None if value is None else value.detach().cpu().clone() for name, value in fields.items()}
 
         state = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **saved(self.memory)}
         if self.layer_memory:
             state["layers"] = {layer: saved(bank) for layer, bank in sorted(self.layer_memory.items())}
+        if self.query_bank:
+            state["queries"] = saved(self.query_memory)
+            state["query_layers"] = {layer: saved(bank) for layer, bank in sorted(self.layer_query_memory.items())}
         return state
 
     def load_memory_state(self, state: dict[str, Any]) -> None:
@@ -500,16 +727,23 @@ class CrossBatchMemoryLoss(nn.Module):
                 raise ValueError(
                     "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
                 )
-            return enqueue(MemoryBank(), embeddings, labels, self.memory_size)
+            return enqueue(MemoryBank(), embeddings, labels, self.memory_size, saved.get("document_ids"))
 
+        if self.query_bank and "queries" not in state:
+            raise ValueError("This cross-batch memory keeps a query bank, and the saved state has none.")
         self.memory = restored(state)
         self.layer_memory = {int(layer): restored(saved) for layer, saved in state.get("layers", {}).items()}
+        self.query_memory = restored(state["queries"]) if self.query_bank else MemoryBank()
+        self.layer_query_memory = {
+            int(layer): restored(saved) for layer, saved in state.get("query_layers", {}).items()
+        }
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
             "loss": type(self.loss).__name__,
             "memory_size": self.memory_size,
             "mask_own_positive": self.mask_own_positive,
+            **({"query_bank": True} if self.query_bank else {}),
         }
 
     @property
@@ -518,14 +752,22 @@ class CrossBatchMemoryLoss(nn.Module):
 
 
 def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """A builder ``(model, memory_size=..., mask_own_positive=..., **loss_kwargs)`` of ``build_loss(model,
-    **loss_kwargs)`` wrapped in a CrossBatchMemoryLoss: the shape of a loss registry entry."""
+    """A builder ``(model, memory_size=..., mask_own_positive=..., query_bank=..., **loss_kwargs)`` of
+    ``build_loss(model, **loss_kwargs)`` wrapped in a CrossBatchMemoryLoss: the shape of a loss registry entry."""
 
     def build(
-        model: nn.Module, memory_size: int = DEFAULT_MEMORY_SIZE, mask_own_positive: bool = True, **loss_kwargs: Any
+        model: nn.Module,
+        memory_size: int = DEFAULT_MEMORY_SIZE,
+        mask_own_positive: bool = True,
+        query_bank: bool = False,
+        **loss_kwargs: Any,
     ) -> CrossBatchMemoryLoss:
         return CrossBatchMemoryLoss(
-            model, build_loss(model, **loss_kwargs), memory_size, mask_own_positive=mask_own_positive
+            model,
+            build_loss(model, **loss_kwargs),
+            memory_size,
+            mask_own_positive=mask_own_positive,
+            query_bank=query_bank,
         )
 
     return build

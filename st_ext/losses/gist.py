@@ -29,6 +29,7 @@ from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import make_auto_mini_batch
 from st_ext.losses.cached_loss import CachedLoss, LossStep, described
+from st_ext.losses.chunked_backward import backward_from_leaves, chunk_leaves, chunk_value
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
     FrozenEncoderHolder,
@@ -43,6 +44,7 @@ from st_ext.losses.frozen_encoders import (
     shares_parameters,
     text_columns,
 )
+from st_ext.losses.gathering import gather_from_ranks
 from st_ext.losses.gradcache import (
     Features,
     Ranges,
@@ -54,6 +56,7 @@ from st_ext.losses.gradcache import (
     row_keys,
 )
 from st_ext.losses.overrides import upstream_hook_overrides
+from st_ext.losses.same_document import DocumentIds, batch_document_ids, check_document_ids, without_same_document
 
 _upstream = st_losses()
 
@@ -212,6 +215,7 @@ def gist_loss(
     with_backward: bool,
     gather_across_devices: bool = False,
     show_progress_bar: bool = False,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """GISTEmbed's cross-entropy over (anchor, positive, negative_1..n) embeddings, ``chunk_size`` rows at a time.
 
@@ -219,7 +223,8 @@ def gist_loss(
     ``chunk_size x batch`` memory per block (a broadcast cosine would cost ``x dim`` more). A separate
     guide's scores are never truncated: Matryoshka only transforms ``reps``. ``guide_reps=None``: the
     model guides itself with ``reps``, detached, so its guide is what the loss scores: truncated at a
-    Matryoshka dimension, a layer's own embeddings under a layer-wise loss.
+    Matryoshka dimension, a layer's own embeddings under a layer-wise loss. With ``document_ids`` (one
+    per row), candidates from a row's own document are masked too (:mod:`st_ext.losses.same_document`).
     """
     guide_columns = len(reps) if guide_reps is None else len(guide_reps)
     if len(reps) < 2 or len(reps) != guide_columns:
@@ -237,6 +242,9 @@ def gist_loss(
         if guide_side is not None:
             guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
         offset = get_rank() * batch_size
+    candidate_ids = (
+        gather_from_ranks(document_ids) if gather_across_devices and document_ids is not None else document_ids
+    )
     # Scores in fp32 whatever the autocast: bf16 similarities over a temperature of 0.05 move the
     # gradients, and can flip which candidates the guide suppresses (upstream's cosine stays fp32 too).
     model_side = [tensor.float() for tensor in model_side]
@@ -247,7 +255,7 @@ def gist_loss(
         # Back-propagating chunk by chunk, every chunk's backward ends at leaves detached from the unit
         # vectors; one final backward takes their summed gradient through the normalisation (and any
         # all-gather), which a per-chunk backward would free early.
-        leaves = [end.detach().requires_grad_() for end in graph_ends] if with_backward else graph_ends
+        leaves = chunk_leaves(graph_ends, with_backward)
         anchors, *candidates = leaves
         guide_anchors, *guide_candidates = [F.normalize(tensor, p=2, dim=-1, eps=1e-8) for tensor in guide_side]
         positives, guide_positives = candidates[0], guide_candidates[0]
@@ -262,30 +270,39 @@ def gist_loss(
             threshold = guide_ap[rows, targets].unsqueeze(1)
             limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
             guide_ap[rows, targets] = -math.inf  # a row's own positive is never suppressed (threshold is a copy)
+            row_ids = None if document_ids is None else document_ids[begin:end]
 
-            blocks = [_suppress(anchors[begin:end] @ positives.T, guide_ap, limit)]
+            ap = _suppress(anchors[begin:end] @ positives.T, guide_ap, limit)
+            blocks = [without_same_document(ap, row_ids, candidate_ids, keep=(rows, targets))]
             if contrast_anchors:
                 guide_aa = guide_anchors[begin:end] @ guide_anchors.T
-                blocks.append(_suppress(anchors[begin:end] @ anchors.T, guide_aa, limit))
+                aa = _suppress(anchors[begin:end] @ anchors.T, guide_aa, limit)
+                blocks.append(without_same_document(aa, row_ids, document_ids))
             if contrast_positives:
                 own = slice(offset + begin, offset + end)
                 guide_pp = guide_positives[own] @ guide_positives.T
-                blocks.append(_suppress(positives[own] @ positives.T, guide_pp, limit))
+                pp = _suppress(positives[own] @ positives.T, guide_pp, limit)
+                blocks.append(without_same_document(pp, row_ids, candidate_ids))
             for negatives, guide_negatives in zip(candidates[1:], guide_candidates[1:]):
                 guide_an = guide_anchors[begin:end] @ guide_negatives.T
                 blocks.append(_suppress(anchors[begin:end] @ negatives.T, guide_an, limit))
 
             scores = torch.cat(blocks, dim=1) / temperature
             chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
-            if with_backward:
-                chunk_loss.backward()
-                chunk_loss = chunk_loss.detach()
-            total = total + chunk_loss
+            total = total + chunk_value(chunk_loss, with_backward)
 
         if with_backward:
-            pairs = [(end_, leaf.grad) for end_, leaf in zip(graph_ends, leaves) if leaf.grad is not None]
-            torch.autograd.backward([end_ for end_, _ in pairs], [grad for _, grad in pairs])
+            backward_from_leaves(graph_ends, leaves)
         return total
+
+
+def gist_document_ids(
+    document_ids: DocumentIds | None, sentence_features: list[Features], labels: Tensor | None
+) -> Tensor | None:
+    """The batch's document ids for :func:`gist_loss`, or None without ``document_ids``."""
+    if document_ids is None:
+        return None
+    return batch_document_ids(document_ids, sentence_features, labels, batch_size_of(sentence_features[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +458,9 @@ class CachedGISTEmbedLoss(GuidedLoss):
         memory_budget_mb: keyword-only, with ``mini_batch_size="auto"``: the step's peak memory
             above its starting level, in MiB. None: a share of the free memory on CUDA; on the CPU,
             the whole batch as one mini-batch.
+        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id:
+            candidates from a row's own document (gathered ones too) are masked as negatives
+            (:mod:`st_ext.losses.same_document`).
 
     References:
         - GISTEmbed: https://huggingface.co/papers/2402.16829
@@ -499,6 +519,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         guide_embeddings: GuideEmbeddings | None = None,
         offload_guide: bool = False,
         memory_budget_mb: float | None = None,
+        document_ids: DocumentIds | None = None,
     ) -> None:
         super().__init__()
         if embeds_with_static_embedding(model):
@@ -524,6 +545,8 @@ class CachedGISTEmbedLoss(GuidedLoss):
         self.mini_batch_size = mini_batch_size
         self.mini_batch_num_tokens = mini_batch_num_tokens
         self.show_progress_bar = show_progress_bar
+        check_document_ids(document_ids, type(self).__name__)
+        self.document_ids = document_ids
         upstream_hook_overrides(self, _upstream.CachedGISTEmbedLoss)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
@@ -544,6 +567,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
                     chunk_size=mini_batch_size,
                     with_backward=with_backward,
                     show_progress_bar=self.show_progress_bar,
+                    document_ids=gist_document_ids(self.document_ids, sentence_features, labels),
                 )
 
             return LossStep(lambda: loss_fn)
@@ -572,6 +596,8 @@ class GISTEmbedLoss(GuidedLoss):
         gather_across_devices: under DDP, use every rank's candidates as negatives (5.x or newer).
         guide_embeddings: keyword-only; a :class:`GuideEmbeddings` table computed before training.
         offload_guide: keyword-only; keep the guide on the CPU between its no-grad passes.
+        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id:
+            candidates from a row's own document are masked (:mod:`st_ext.losses.same_document`).
 
     References:
         - GISTEmbed: https://huggingface.co/papers/2402.16829
@@ -604,6 +630,7 @@ class GISTEmbedLoss(GuidedLoss):
         *,
         guide_embeddings: GuideEmbeddings | None = None,
         offload_guide: bool = False,
+        document_ids: DocumentIds | None = None,
     ) -> None:
         super().__init__()
         self._set_up(
@@ -619,6 +646,8 @@ class GISTEmbedLoss(GuidedLoss):
             offload_guide=offload_guide,
         )
         self.show_progress_bar = False
+        check_document_ids(document_ids, type(self).__name__)
+        self.document_ids = document_ids
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -626,7 +655,15 @@ class GISTEmbedLoss(GuidedLoss):
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
         with inputs_kept(sentence_features):
             reps = [[self.model(features)["sentence_embedding"]] for features in sentence_features]
-        return gist_loss(reps, guide_reps, **self._gist_options(), chunk_size=len(reps[0][0]), with_backward=False)
+        document_ids = gist_document_ids(self.document_ids, sentence_features, labels)
+        return gist_loss(
+            reps,
+            guide_reps,
+            **self._gist_options(),
+            chunk_size=len(reps[0][0]),
+            with_backward=False,
+            document_ids=document_ids,
+        )
 
 
 def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
