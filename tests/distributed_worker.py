@@ -157,19 +157,23 @@ def cached_gist(gathered: bool, **options) -> Callable[[nn.Module, nn.Module], n
     return build
 
 
-def self_guided_gist(model: nn.Module, guide: nn.Module) -> nn.Module:
-    """The model as its own guide, over every rank's candidates: the guide is the gathered embeddings, detached."""
-    from st_ext import losses
+def self_guided_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+    """The model as its own guide; gathered, its guide is every rank's candidates, detached."""
 
-    return losses.CachedGISTEmbedLoss(
-        model,
-        model,
-        temperature=0.05,
-        mini_batch_size=MINI_BATCH_SIZE,
-        margin=-0.05,
-        contrast_anchors=False,
-        gather_across_devices=True,
-    )
+    def build(model: nn.Module, guide: nn.Module) -> nn.Module:
+        from st_ext import losses
+
+        return losses.CachedGISTEmbedLoss(
+            model,
+            model,
+            temperature=0.05,
+            mini_batch_size=MINI_BATCH_SIZE,
+            margin=-0.05,
+            contrast_anchors=False,
+            gather_across_devices=gathered,
+        )
+
+    return build
 
 
 def cross_batch_memory(model: nn.Module, guide: nn.Module) -> nn.Module:
@@ -255,7 +259,8 @@ CASES: dict[str, LossCase] = {
     "matryoshka_2d_cmnrl_gathered": LossCase(matryoshka_2d_cmnrl(gathered=True), gathered=True),
     "cached_gist": LossCase(cached_gist(gathered=False)),
     "cached_gist_gathered": LossCase(cached_gist(gathered=True), gathered=True),
-    "self_guided_gist_gathered": LossCase(self_guided_gist, gathered=True),
+    "self_guided_gist": LossCase(self_guided_gist(gathered=False)),
+    "self_guided_gist_gathered": LossCase(self_guided_gist(gathered=True), gathered=True),
     "cross_batch_memory": LossCase(cross_batch_memory, steps=2),
     "matryoshka_same_document": LossCase(matryoshka_same_document(gathered=False)),
     "matryoshka_same_document_gathered": LossCase(matryoshka_same_document(gathered=True), gathered=True),
