@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from upstream_test_selection import (  # noqa: E402  (a tool, not a package)
     _test_file_matches,
     callable_methods,
+    changed_lines,
     changed_targets,
 )
 
@@ -52,7 +53,7 @@ def patch_changing(line: int) -> str:
     return (
         "diff --git a/tiny_package/model.py b/tiny_package/model.py\n"
         "--- a/tiny_package/model.py\n+++ b/tiny_package/model.py\n"
-        f"@@ -{line},1 +{line},1 @@\n-old\n+new\n"
+        f"@@ -{line},2 +{line},2 @@\n-old\n+new\n context\n"
     )
 
 
@@ -93,3 +94,8 @@ def test_a_changed_private_method_reaches_tests_through_its_callers(tree: Path) 
 def test_a_changed_method_selects_only_the_tests_that_call_it(tree: Path) -> None:
     # line 3 is in `supports`
     assert selected(tree, 3) == ["test_supports"]
+
+
+def test_the_mail_signature_after_the_last_hunk_is_no_removed_line() -> None:
+    patch = patch_changing(6) + "-- \n2.39.5\n"
+    assert changed_lines(patch) == {"tiny_package/model.py": {6}}

@@ -40,36 +40,43 @@ class Target:
 
 
 def changed_lines(patch_text: str) -> dict[str, set[int]]:
-    """``{path: line numbers in the patched file}`` of the lines each hunk adds (its first line, if it only removes)."""
+    """``{path: line numbers in the patched file}`` of the lines each hunk adds (its first line, if it only removes).
+
+    Each hunk is read for as many lines as its header counts, so that what follows the last one (the ``-- ``
+    signature of ``git format-patch``) is not taken for a removed line.
+    """
     lines: dict[str, set[int]] = {}
     path = None
-    new_line = 0
+    new_line = old_left = new_left = hunk_start = 0
     added_in_hunk = False
-    hunk_start = 0
     for line in patch_text.replace("\r\n", "\n").splitlines():
+        if old_left or new_left:
+            if line.startswith("+"):
+                if path and line[1:].strip():
+                    lines.setdefault(path, set()).add(new_line)
+                added_in_hunk = True
+                new_line += 1
+                new_left -= 1
+            elif line.startswith("-"):
+                if path:
+                    lines.setdefault(path, set()).add(new_line)
+                old_left -= 1
+            elif not line.startswith("\\"):  # a context line; "\ No newline at end of file" counts for nothing
+                new_line += 1
+                old_left -= 1
+                new_left -= 1
+            if not (old_left or new_left) and path and not added_in_hunk:
+                lines.setdefault(path, set()).add(hunk_start)
+            continue
         if line.startswith("+++ "):
             path = line[6:] if line.startswith("+++ b/") else None
             continue
-        hunk = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        hunk = re.match(r"@@ -\d+(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", line)
         if hunk:
-            if path and not added_in_hunk and hunk_start:
-                lines.setdefault(path, set()).add(hunk_start)
-            new_line = hunk_start = int(hunk.group(1))
+            old_left = int(hunk.group(1) or 1)
+            new_line = hunk_start = int(hunk.group(2))
+            new_left = int(hunk.group(3) or 1)
             added_in_hunk = False
-            continue
-        if path is None or not new_line:
-            continue
-        if line.startswith("+"):
-            if line[1:].strip():
-                lines.setdefault(path, set()).add(new_line)
-            added_in_hunk = True
-            new_line += 1
-        elif line.startswith("-"):
-            lines.setdefault(path, set()).add(new_line)
-        elif line.startswith(" "):
-            new_line += 1
-        elif line.startswith("diff --git"):
-            new_line = hunk_start = 0
     return lines
 
 
