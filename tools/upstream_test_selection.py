@@ -9,7 +9,10 @@ A file name says little: ``test_cmnrl.py`` tests ``CachedMultipleNegativesRankin
 2. ``main`` (run by the series' Python inside the tree, as ``python upstream_test_selection.py``): in each test file
    that imports an object that *is* a target (through any re-export, resolved by importing it), reaches one as an
    attribute of a module it imports, or calls a changed public method whose name few classes define, the tests
-   that name it (the whole file where only its helpers do).
+   that name it (the whole file where only its helpers do). A changed public method counts only in the tests that
+   also name the method: a test that imports ``BaseModel`` to call ``supports`` does not exercise a changed
+   ``gradient_checkpointing_enable``. A changed private method reaches tests through the methods of its class that
+   call it (so does any changed method); a changed ``__init__`` or generic method (``forward``) through its class.
 """
 
 from __future__ import annotations
@@ -37,36 +40,43 @@ class Target:
 
 
 def changed_lines(patch_text: str) -> dict[str, set[int]]:
-    """``{path: line numbers in the patched file}`` of the lines each hunk adds (its first line, if it only removes)."""
+    """``{path: line numbers in the patched file}`` of the lines each hunk adds (its first line, if it only removes).
+
+    Each hunk is read for as many lines as its header counts, so that what follows the last one (the ``-- ``
+    signature of ``git format-patch``) is not taken for a removed line.
+    """
     lines: dict[str, set[int]] = {}
     path = None
-    new_line = 0
+    new_line = old_left = new_left = hunk_start = 0
     added_in_hunk = False
-    hunk_start = 0
     for line in patch_text.replace("\r\n", "\n").splitlines():
+        if old_left or new_left:
+            if line.startswith("+"):
+                if path and line[1:].strip():
+                    lines.setdefault(path, set()).add(new_line)
+                added_in_hunk = True
+                new_line += 1
+                new_left -= 1
+            elif line.startswith("-"):
+                if path:
+                    lines.setdefault(path, set()).add(new_line)
+                old_left -= 1
+            elif not line.startswith("\\"):  # a context line; "\ No newline at end of file" counts for nothing
+                new_line += 1
+                old_left -= 1
+                new_left -= 1
+            if not (old_left or new_left) and path and not added_in_hunk:
+                lines.setdefault(path, set()).add(hunk_start)
+            continue
         if line.startswith("+++ "):
             path = line[6:] if line.startswith("+++ b/") else None
             continue
-        hunk = re.match(r"@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@", line)
+        hunk = re.match(r"@@ -\d+(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", line)
         if hunk:
-            if path and not added_in_hunk and hunk_start:
-                lines.setdefault(path, set()).add(hunk_start)
-            new_line = hunk_start = int(hunk.group(1))
+            old_left = int(hunk.group(1) or 1)
+            new_line = hunk_start = int(hunk.group(2))
+            new_left = int(hunk.group(3) or 1)
             added_in_hunk = False
-            continue
-        if path is None or not new_line:
-            continue
-        if line.startswith("+"):
-            if line[1:].strip():
-                lines.setdefault(path, set()).add(new_line)
-            added_in_hunk = True
-            new_line += 1
-        elif line.startswith("-"):
-            lines.setdefault(path, set()).add(new_line)
-        elif line.startswith(" "):
-            new_line += 1
-        elif line.startswith("diff --git"):
-            new_line = hunk_start = 0
     return lines
 
 
@@ -79,15 +89,20 @@ def _spans(node: ast.AST, line: int) -> bool:
     return start <= line <= node.end_lineno
 
 
-def _enclosing(tree: ast.Module, line: int) -> Target | None:
+def _enclosing(tree: ast.Module, line: int, source_lines: list[str] | None = None) -> Target | None:
+    """The definition that holds ``line``. In a class, a blank line after a method (where lines were removed at
+    its end) belongs to that method."""
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _spans(node, line):
-            methods = [
-                child.name
-                for child in getattr(node, "body", [])
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and _spans(child, line)
-            ]
-            return Target("", node.name, methods[0] if methods and isinstance(node, ast.ClassDef) else None)
+            if not isinstance(node, ast.ClassDef):
+                return Target("", node.name)
+            methods = [child for child in node.body if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            spanning = [child.name for child in methods if _spans(child, line)]
+            if not spanning and source_lines is not None:
+                before = [child for child in methods if child.end_lineno < line]
+                if before and not "".join(source_lines[before[-1].end_lineno : line]).strip():
+                    spanning = [before[-1].name]
+            return Target("", node.name, spanning[0] if spanning else None)
     return None
 
 
@@ -112,17 +127,50 @@ def changed_targets(source_root: Path, patch_text: str, package: str, prefix: st
         path = path.removeprefix(prefix)
         if not path.startswith(f"{package}/") or not path.endswith(".py") or not (source_root / path).exists():
             continue
-        tree = ast.parse((source_root / path).read_text(encoding="utf-8"))
+        text = (source_root / path).read_text(encoding="utf-8")
+        tree = ast.parse(text)
         for line in lines:
-            found = _enclosing(tree, line)
+            found = _enclosing(tree, line, text.splitlines())
             if found is not None:
                 targets.add(Target(module_name(path), found.name, found.method))
+    targets |= _callers_in_class(targets, source_root)
     users = targets
     for _ in range(2):
         reached = {(target.module, target.name) for target in users if _reached_through_users(target)}
         users = _users_of(reached, source_root, package) - targets
         targets |= users
     return targets
+
+
+def _named_by_class(target: Target) -> bool:
+    """Whether naming the class is using the target: the class itself, its ``__init__`` or a generic method."""
+    return target.method is None or target.method in GENERIC_METHODS or target.method.startswith("__")
+
+
+def _callers_in_class(targets: set[Target], tree_root: Path) -> set[Target]:
+    """The methods of the same class that call a changed method, ``self.method()``, two levels deep: a changed
+    private helper reaches tests through them, and a method kept under a former name through its new one."""
+    callers: set[Target] = set()
+    for module in {target.module for target in targets if target.method}:
+        path = tree_root / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = tree_root / module.replace(".", "/") / "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+        reached = {target for target in targets if target.module == module and target.method}
+        for _ in range(2):
+            found = set()
+            for target in reached:
+                for child in getattr(classes.get(target.name), "body", []):
+                    if (
+                        isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and child.name != target.method
+                        and target.method in _referenced_names(child)
+                    ):
+                        found.add(Target(module, target.name, child.name))
+            reached = found - callers - targets
+            callers |= reached
+    return callers
 
 
 def _users_of(names: set[tuple[str, str]], tree_root: Path, package: str) -> set[Target]:
@@ -139,9 +187,27 @@ def _users_of(names: set[tuple[str, str]], tree_root: Path, package: str) -> set
         if not visible:
             continue
         for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                if (module, node.name) not in names and _referenced_names(node) & visible:
-                    users.add(Target(module, node.name))
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if (module, node.name) in names or not _referenced_names(node) & visible:
+                continue
+            # In a class, the methods that use it (the class itself where e.g. a class attribute does)
+            methods = [
+                child.name
+                for child in node.body
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and _referenced_names(child) & visible
+            ]
+            # e.g. a base class or a class attribute: the whole class uses it
+            outside = [
+                child
+                for child in [*getattr(node, "bases", []), *node.decorator_list, *node.body]
+                if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and _referenced_names(child) & visible
+            ]
+            if isinstance(node, ast.ClassDef) and methods and not outside:
+                users |= {Target(module, node.name, method) for method in methods}
+            else:
+                users.add(Target(module, node.name))
     return users
 
 
@@ -214,27 +280,33 @@ def _test_file_matches(test_file: Path, targets: dict[Target, object], callable_
             module = _import(node.module)
             if module is not None:
                 imported += [(alias.asname or alias.name, getattr(module, alias.name, None)) for alias in node.names]
-    used = set()  # the names in the file that stand for a target
+    # (a name in the file that stands for a target's class or function, the method a test must name too, if any)
+    used: set[tuple[str, str | None]] = set()
     for target, value in targets.items():
+        method = None if _named_by_class(target) else target.method
         for bound, thing in imported:
             if thing is value:
-                used.add(bound)
+                used.add((bound, method))
             elif (
                 isinstance(thing, ModuleType)
                 and target.name in identifiers
                 and getattr(thing, target.name, None) is value
             ):
-                used.add(target.name)
-        if target.method in callable_methods and target.method in identifiers:
-            used.add(target.method)
-    if not used:
+                used.add((target.name, method))
+        if target.method in callable_methods:
+            used.add((target.method, None))
+
+    def uses(names: set[str]) -> bool:
+        return any(name in names and (method is None or method in names) for name, method in used)
+
+    if not uses(identifiers):
         return []
     tests = [
         f"{test_file}::{node.name}"
         for node in tree.body
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
         and node.name.startswith(("test", "Test"))
-        and _referenced_names(node) & used
+        and uses(_referenced_names(node))
     ]
     return tests or [str(test_file)]
 
