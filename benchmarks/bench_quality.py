@@ -251,8 +251,11 @@ def default_dims(dimension: int) -> tuple[int, ...]:
     return tuple(sorted({dimension, max(dimension // 3, 1), max(dimension // 6, 1)}, reverse=True))
 
 
-def run(settings: Settings, log: Callable[[str], None] = print) -> dict:
-    """Measure the budget, then train, time and evaluate every configuration for every seed."""
+def run(
+    settings: Settings, log: Callable[[str], None] = print, written: Callable[[dict], None] = lambda results: None
+) -> dict:
+    """Measure the budget, then train, time and evaluate every configuration for every seed; ``written``
+    gets the results so far after each configuration (``"complete"`` turns true after the last)."""
     torch.set_num_threads(settings.threads)
     torch.manual_seed(0)
     probe = load_model(settings.model, settings.max_seq_length)
@@ -272,8 +275,24 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict:
         log(f"(without caching, B={big} would peak at {uncached_at[big]} MiB)")
     del probe
     context = Run(settings.model, budget, dims)
-    outcomes = []
-    for config in configurations(settings):
+    results = {
+        "settings": {**asdict(settings), "dims": list(dims)},
+        "data": {
+            "source": "st_ext.cli.demo_data.stdlib_pairs (standard-library names -> docstring summaries)",
+            "train_rows": len(train_rows),
+            "held_out_pairs": len(held_out),
+            "columns": list(train_rows[0]),
+        },
+        "budget_mib": budget,
+        "uncached_peak_mib_at": {str(k): v for k, v in uncached_at.items()},
+        "meter": "torch profiler allocation events (CPU): forward+backward, gradients included, optimizer excluded",
+        "before_training": {str(dim): {m: before[dim][m] for m in REPORTED} for dim in dims},
+        "outcomes": [],
+        "complete": False,
+        "machine": machine(),
+    }
+    configs = configurations(settings)
+    for number, config in enumerate(configs, start=1):
         model = load_model(settings.model, settings.max_seq_length)
         outcome = Outcome(config.label, config.family, config.batch_size, config.mini_batch, None)
         try:
@@ -283,7 +302,9 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict:
         except BudgetTooSmallError as error:
             outcome.note = f"refused: {error}"
             log(f"{config.label}: {outcome.note}")
-            outcomes.append(outcome)
+            results["outcomes"].append(as_json(outcome))
+            results["complete"] = number == len(configs)
+            written(results)
             continue
         del model
         for seed in settings.seeds:
@@ -297,22 +318,10 @@ def run(settings: Settings, log: Callable[[str], None] = print) -> dict:
             del model, loss
             gc.collect()
         log(summary_line(outcome, dims[0]))
-        outcomes.append(outcome)
-    return {
-        "settings": {**asdict(settings), "dims": list(dims)},
-        "data": {
-            "source": "st_ext.cli.demo_data.stdlib_pairs (standard-library names -> docstring summaries)",
-            "train_rows": len(train_rows),
-            "held_out_pairs": len(held_out),
-            "columns": list(train_rows[0]),
-        },
-        "budget_mib": budget,
-        "uncached_peak_mib_at": {str(k): v for k, v in uncached_at.items()},
-        "meter": "torch profiler allocation events (CPU): forward+backward, gradients included, optimizer excluded",
-        "before_training": {str(dim): {m: before[dim][m] for m in REPORTED} for dim in dims},
-        "outcomes": [as_json(outcome) for outcome in outcomes],
-        "machine": machine(),
-    }
+        results["outcomes"].append(as_json(outcome))
+        results["complete"] = number == len(configs)
+        written(results)
+    return results
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -375,6 +384,8 @@ def markdown_table(results: dict) -> str:
         f"{settings['max_seq_length']}, AdamW lr {settings['learning_rate']}, evaluated on "
         f"{results['data']['held_out_pairs']} held-out pairs; {results['machine']}.",
     ]
+    if not results["complete"]:
+        notes.insert(0, "**Partial: the configurations above finished; the run was stopped before the others.**")
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
@@ -479,7 +490,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     settings, out = parse_args(argv)
     started = time.perf_counter()
-    written = write_outputs(run(settings), out)
+    written = write_outputs(run(settings, written=lambda results: write_outputs(results, out)), out)
     print("\n" + (out / "table.md").read_text())
     print(f"{time.perf_counter() - started:.0f} s in all; wrote " + ", ".join(str(path) for path in written.values()))
     return written

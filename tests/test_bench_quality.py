@@ -17,6 +17,7 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
     written = bench["main"](["--model", str(tiny_bert_dir), *size, "--max-seq-length", "16", "--out", str(out)])
 
     results = json.loads(written["results"].read_text())
+    assert results["complete"]
     assert results["settings"]["dims"] == [32, 10, 5], "the model's dimension, a third and a sixth"
     assert results["data"]["train_rows"] == 12 and results["data"]["held_out_pairs"] == 8
     assert results["budget_mib"] > 0 and results["uncached_peak_mib_at"]["4"] > 0
@@ -39,7 +40,7 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
 
     table = written["table"].read_text()
     assert table.count("\n| ") == 1 + len(labels), "the before-training row and one row per configuration"
-    assert "NDCG@10 @32" in table and "MRR@10 @5" in table and f"peaks at {results['budget_mib']} MiB" in table
+    assert "Partial" not in table and "NDCG@10 @32" in table and "MRR@10 @5" in table and f"peaks at {results['budget_mib']} MiB" in table
     assert written["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
