@@ -40,7 +40,12 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
 
     table = written["table"].read_text()
     assert table.count("\n| ") == 1 + len(labels), "the before-training row and one row per configuration"
-    assert "Partial" not in table and "NDCG@10 @32" in table and "MRR@10 @5" in table and f"peaks at {results['budget_mib']} MiB" in table
+    assert (
+        "Partial" not in table
+        and "NDCG@10 @32" in table
+        and "MRR@10 @5" in table
+        and f"peaks at {results['budget_mib']} MiB" in table
+    )
     assert written["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
