@@ -18,7 +18,7 @@ ENVS := st6 st4 st5
 # The environments `make test` runs, each pinned by $(LOCK)/<env>.txt.
 TESTED_ENVS := st6 st4
 
-.PHONY: demo test lint lock patches-check test-st6 test-st4 test-st5 test-slow test-matrix bench clean gpu-report gpu-wheels
+.PHONY: demo test lint lock patches-check test-st6 test-st4 test-st5 test-slow test-matrix bench bench-quality clean gpu-report gpu-wheels
 
 # torch goes first, pinned: with it installed nothing below pulls a multi-GB CUDA build.
 .SECONDEXPANSION:
@@ -75,7 +75,7 @@ lock:
 define test_env
 test-$(1): $(VENV)/$(1)/.ready
 	@echo "== sentence-transformers $$$$($(VENV)/$(1)/bin/python -c 'import importlib.metadata as m; print(m.version("sentence-transformers"))')"
-	$(VENV)/$(1)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/$(1)/bin/python -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)
 endef
 $(foreach env,$(ENVS),$(eval $(call test_env,$(env))))
 
@@ -93,6 +93,14 @@ test-matrix:
 
 bench: $(VENV)/st6/.ready
 	for b in benchmarks/bench_*.py; do $(VENV)/st6/bin/python $$b || exit 1; done
+
+# Quality at equal memory (benchmarks/bench_quality.py): CPU-sized, about half an hour on a shared 2-core machine.
+# Writes runs/bench-quality/table.md, quality.png and results.json; BENCH_QUALITY_ARGS=--hard-negatives adds
+# a same-module hard negative to each row.
+BENCH_QUALITY_ARGS ?=
+
+bench-quality: $(VENV)/st6/.ready
+	$(VENV)/st6/bin/python benchmarks/bench_quality.py $(BENCH_QUALITY_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -247,6 +247,8 @@ def test_help_lists_every_setting_with_its_default(capsys):
         assert "--" + name.replace("_", "-") in text
     for default in ("(default: 32)", "(default: 8)", "(default: [384, 256, 128, 64, 32])", "(default: precompute)"):
         assert default in text
+    assert "--batch-size PER_DEVICE_TRAIN_BATCH_SIZE, --batch_size PER_DEVICE_TRAIN_BATCH_SIZE" in text
+    assert "--epochs NUM_TRAIN_EPOCHS short for" in text, "a one-word alias is listed once"
 
 
 def listed_losses(capsys) -> dict[str, str]:
@@ -350,7 +352,9 @@ def test_empty_data_is_refused(tiny_bert_dir, tmp_path, capsys):
         "32",
     ]
     assert main(args) == EXIT_BAD_INPUT
-    assert "data:" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"st-ext train: error: data: {empty} has a header line and no rows; add rows below the header."
+    )
 
 
 def test_every_loss_listed_as_trainable_is_accepted_and_every_other_refused(tiny_bert_dir, tmp_path, capsys):

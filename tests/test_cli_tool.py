@@ -145,11 +145,32 @@ def test_checkpoints_are_kept_and_a_run_resumes_from_the_last(tiny_bert_dir, tri
     resumed[resumed.index("--max-steps") + 1] = "3"
     assert main(resumed) == 0
     assert f"resuming from {output / 'checkpoints' / 'checkpoint-2'} (step 2)" in capsys.readouterr().out.splitlines()
-    # Steps 1 and 2 were restored from checkpoint-2, so this run trained step 3 only.
-    assert metrics_of(output)["time"]["steps"] == 1
+    # Steps 1 and 2 were restored from checkpoint-2, so this run trained step 3 only; its records keep
+    # the checkpoint's run's steps, as measured then.
+    first_rows = (output / "checkpoints" / "checkpoint-2" / "memory_per_step.csv").read_text().splitlines()
+    time_report = metrics_of(output)["time"]
+    assert (time_report["steps"], time_report["steps_this_run"], time_report["resumed_from_step"]) == (3, 1, 2)
+    rows = (output / "memory_per_step.csv").read_text().splitlines()
+    assert rows[:3] == first_rows and [row.split(",")[0] for row in rows[1:]] == ["1", "2", "3"]
     state = json.loads((output / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    # The newest two checkpoints are kept unless --save-total-limit says otherwise.
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-3"]
     assert (output / "model" / "modules.json").is_file()
+
+
+def test_a_last_batch_of_one_row_is_dropped(tiny_bert_dir, triplets_file, tmp_path, capsys):
+    """19 training rows in batches of 9: the third batch would hold one row, with no in-batch negative."""
+    output = tmp_path / "run"
+    by_epochs = without(without(run_args(tiny_bert_dir, triplets_file, output), "--max-steps"), "--batch-size")
+    assert main(by_epochs + ["--batch-size", "9", "--epochs", "2"]) == 0
+    assert "the last batch of each epoch would hold 1 row (19 rows in batches of 9)" in capsys.readouterr().out
+    metrics = metrics_of(output)
+    assert metrics["time"]["steps"] == 4 and metrics["data"]["last_batch"] == "dropped: it would hold 1 row"
+
+    assert main(by_epochs + ["--batch-size", "7", "--epochs", "1", "--output-dir", str(tmp_path / "kept")]) == 0
+    assert "the last batch of each epoch" not in capsys.readouterr().out
+    assert metrics_of(tmp_path / "kept")["time"]["steps"] == 3, "a last batch of five rows trains"
 
 
 def test_resuming_a_finished_run_publishes_nothing(tiny_bert_dir, triplets_file, tmp_path, capsys):

@@ -46,3 +46,13 @@ def test_torch_comes_from_the_index_the_user_names():
     chosen = make("-n", "-B", ".venv/demo/.ready", "TORCH_INDEX=https://example.invalid/whl/cpu").stdout
     assert "--index-url" not in plain
     assert "pip install -q torch==2.13.0 --index-url https://example.invalid/whl/cpu" in chosen
+
+
+def test_the_tests_print_why_each_skipped_test_was_skipped():
+    recipe = make("-n", "test-st6").stdout
+    assert ' -m pytest -q -rs -m "not slow"' in recipe
+
+
+def test_the_quality_benchmark_runs_in_the_tested_environment():
+    recipe = make("-n", "bench-quality", "BENCH_QUALITY_ARGS=--hard-negatives").stdout
+    assert ".venv/st6/bin/python benchmarks/bench_quality.py --hard-negatives" in recipe

@@ -55,9 +55,10 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
     parser_option(parser, "--mini-batch-size").type = positive_or_auto
     for alias, name in ALIASES.items():
         target = parser_option(parser, "--" + name)
+        # "--batch-size" and "--batch_size"; a one-word alias ("--epochs") is one flag, listed once.
+        spellings = dict.fromkeys(("--" + alias.replace("_", "-"), "--" + alias))
         parser.add_argument(
-            "--" + alias.replace("_", "-"),
-            "--" + alias,
+            *spellings,
             dest=name,
             type=target.type,
             default=argparse.SUPPRESS,

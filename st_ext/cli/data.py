@@ -123,12 +123,13 @@ def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> 
 
 
 def _check_text_file(path: Path, setting: str) -> None:
-    """An empty file, bytes that are not UTF-8, or (JSON Lines) a line that is not JSON, each named by line:
-    the datasets library reports these without a place, or not at all."""
+    """An empty file, bytes that are not UTF-8, (JSON Lines) a line that is not JSON, each named by line, or
+    (CSV) a header without rows: the datasets library reports these without a place, or not at all."""
     if path.stat().st_size == 0:
         raise ConfigError(f"{setting}: {path} is empty.")
     if path.suffix.lower() not in (".jsonl", ".csv"):
         return
+    filled_lines = 0
     with path.open("rb") as file:
         for number, raw in enumerate(file, start=1):
             try:
@@ -137,6 +138,7 @@ def _check_text_file(path: Path, setting: str) -> None:
                 raise ConfigError(
                     f"{setting}: {path.name} line {number} is not UTF-8 (byte {error.start + 1}); save the file as UTF-8."
                 ) from None
+            filled_lines += bool(line.strip())
             if path.suffix.lower() == ".jsonl" and line.strip():
                 try:
                     json.loads(line)
@@ -144,3 +146,8 @@ def _check_text_file(path: Path, setting: str) -> None:
                     raise ConfigError(
                         f"{setting}: {path.name} line {number} is not valid JSON ({error.msg} at column {error.colno})."
                     ) from None
+    # The datasets library's words for these are 'Instruction "train" corresponds to no data!'.
+    if path.suffix.lower() == ".csv" and filled_lines == 1:
+        raise ConfigError(f"{setting}: {path} has a header line and no rows; add rows below the header.")
+    if filled_lines == 0:
+        raise ConfigError(f"{setting}: {path} holds only blank lines; it has no rows.")

@@ -330,13 +330,26 @@ def _run(
 
     loss, frozen_encoders = _build_loss(config, model, model_path, dims)
     recorder = StepMemoryRecorder(device)
+    if checkpoint is not None:
+        recorder.resume_from(checkpoint, resumed_step)
     strategy = settings.get("save_strategy", "no")
     saves_checkpoints = getattr(strategy, "value", strategy) != "no"
     trainer_dir = checkpoint_folder(output_dir) if saves_checkpoints else publishing.trainer_folder(output_dir)
+    args = training_arguments(settings, str(trainer_dir), use_cpu=device == "cpu")
+    if single_row_last_batch(len(train_dataset), args):
+        print(
+            f"the last batch of each epoch would hold 1 row ({len(train_dataset)} rows in batches of "
+            f"{args.train_batch_size}), with no in-batch negative to train on: it is dropped (dataloader_drop_last; "
+            "the batches are shuffled each epoch, so a different row waits each time)"
+        )
+        data_report["last_batch"] = "dropped: it would hold 1 row"
+        args = training_arguments(
+            {**settings, "dataloader_drop_last": True}, str(trainer_dir), use_cpu=device == "cpu"
+        )
     try:
         trainer = SentenceTransformerTrainer(
             model=model,
-            args=training_arguments(settings, str(trainer_dir), use_cpu=device == "cpu"),
+            args=args,
             train_dataset=train_dataset,
             loss=loss,
             evaluator=SequentialEvaluator(list(evaluators.values())),
@@ -378,7 +391,7 @@ def _run(
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
     reference = uncached.result
-    report = run_report(config, settings, data_report, recorder, reference, auto, trainer)
+    report = run_report(config, settings, data_report, recorder, reference, auto, trainer, resumed_step)
     written = _publish_results(output_dir, model, before, after, recorder, reference, report, config.loss)
     for line in memory_summary(report["memory"], config.loss):
         print(line)
@@ -434,9 +447,19 @@ def _datasets(config: TrainConfig, seed: int) -> tuple[Dataset, Dataset, dict[st
     return train_dataset, eval_pairs, report
 
 
-def run_report(config, settings, data_report, recorder, reference, auto, trainer) -> dict[str, Any]:
-    """What ``metrics.json`` says besides the metrics: settings, data, memory, time, versions."""
+def single_row_last_batch(rows: int, args) -> bool:
+    """Whether an epoch of ``rows`` ends in a batch of one row (with ``args``' batch size, unless it drops
+    the last batch already)."""
+    return not args.dataloader_drop_last and rows > 1 and rows % args.train_batch_size == 1
+
+
+def run_report(
+    config, settings, data_report, recorder, reference, auto, trainer, resumed_step: int | None = None
+) -> dict[str, Any]:
+    """What ``metrics.json`` says besides the metrics: settings, data, memory, time, versions. A resumed
+    run's steps include those of the checkpoint's run (``resumed_step`` and before)."""
     steps = recorder.rows
+    this_run = [row for row in steps if resumed_step is None or row["step"] > resumed_step]
     seconds = sorted(row["seconds"] for row in steps)
     forward_backward = [
         row["forward_backward_peak_mib"] for row in steps if row["forward_backward_peak_mib"] is not None
@@ -464,7 +487,7 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
             else {
                 **dataclasses.asdict(reference),
                 # The trained loss's figure on the same batch, counted the same way: what caching saved there.
-                "trained_loss_same_batch_mib": steps[0]["forward_backward_peak_mib"] if steps else None,
+                "trained_loss_same_batch_mib": this_run[0]["forward_backward_peak_mib"] if this_run else None,
             },
             "auto_mini_batch": None if auto is None or auto.choice is None else str(auto.choice),
             "frozen_encoders": {
@@ -474,6 +497,8 @@ def run_report(config, settings, data_report, recorder, reference, auto, trainer
         },
         "time": {
             "steps": len(steps),
+            "steps_this_run": len(this_run),
+            "resumed_from_step": resumed_step,
             "seconds_per_step_median": seconds[len(seconds) // 2] if seconds else None,
             "seconds_total": round(sum(seconds), 3),
         },

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from st_ext.memory import PeakMemory, measure_peak
 
@@ -30,10 +31,13 @@ class StepMemoryRecorder(TrainerCallback):
     changes; None where the trainer gave no ``on_pre_optimizer_step``).
 
     ``before_first_step`` runs once, before the first step's measurement opens (the uncached reference
-    is measured there, on that step's batch).
+    is measured there, on that step's batch). Each checkpoint gets the rows so far
+    (:data:`CHECKPOINT_FILE`), and a run resumed from it starts from them (:meth:`resume_from`), so its
+    CSV, plot and figures cover every step.
     """
 
     COLUMNS = ("step", "peak_mib", "forward_backward_peak_mib", "seconds", "device", "meter")
+    CHECKPOINT_FILE = "memory_per_step.csv"
 
     def __init__(self, device, before_first_step: Callable[[], None] | None = None):
         self.device = device
@@ -55,6 +59,21 @@ class StepMemoryRecorder(TrainerCallback):
         self._inner_peak = self._inner.__enter__()
         self._forward_backward = None
         self._started = time.perf_counter()
+
+    def resume_from(self, checkpoint: str | Path, step: int) -> None:
+        """Start from the rows the checkpoint's run recorded up to ``step`` (none from a checkpoint saved
+        without them)."""
+        path = Path(checkpoint) / self.CHECKPOINT_FILE
+        if not path.is_file():
+            return
+        with path.open(newline="") as file:
+            earlier = [_typed_row(row) for row in csv.DictReader(file)]
+        self.rows = [row for row in earlier if row["step"] <= step] + self.rows
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            self.write_csv(folder / self.CHECKPOINT_FILE)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._inner is not None:
@@ -99,6 +118,20 @@ class StepMemoryRecorder(TrainerCallback):
         writer.writeheader()
         writer.writerows(self.rows)
         return write_file(path, buffer.getvalue())
+
+
+def _typed_row(row: dict[str, str]) -> dict:
+    """A row as :meth:`StepMemoryRecorder.write_csv` wrote it, with its numbers read back (an empty
+    ``forward_backward_peak_mib`` is None)."""
+    forward_backward = row["forward_backward_peak_mib"]
+    return {
+        "step": int(row["step"]),
+        "peak_mib": float(row["peak_mib"]),
+        "forward_backward_peak_mib": float(forward_backward) if forward_backward else None,
+        "seconds": float(row["seconds"]),
+        "device": row["device"],
+        "meter": row["meter"],
+    }
 
 
 def write_metrics(path: Path, before: dict, after: dict, report: dict) -> Path:
