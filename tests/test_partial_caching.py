@@ -94,7 +94,7 @@ def test_with_dropout_kept_and_replayed_graphs_give_the_same_step(model4, guide,
     for step_actual, step_expected in zip(actual, every_graph):
         assert_same_grads(step_actual, step_expected)
     # The premise: dropout changes the step, so a replay under another RNG state would show.
-    assert grads_differ(every_graph[0][1], two_steps(model4, cached(model4, guide, kept), train=False)[0][1])
+    assert grads_differ(every_graph[0], two_steps(model4, cached(model4, guide, kept), train=False)[0])
 
 
 def forward_passes(model, loss, columns) -> tuple[int, int, int]:
@@ -147,9 +147,16 @@ def test_kept_graphs_do_not_outlive_the_backward(model):
     assert held_after_backward(5) == held_after_backward(0)
 
 
+def auto_cmnrl(model, budget_bytes: float):
+    return losses.CachedMultipleNegativesRankingLoss(
+        model, mini_batch_size="auto", memory_budget_mb=budget_bytes / 2**20
+    )
+
+
 def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog):
-    """Under a budget between the smallest and the whole batch's step, the auto mode keeps some graphs,
-    says so once, embeds only the others twice, stays within the budget and gives the uncached gradients."""
+    """Under a budget between the smallest and the whole batch's step, the auto mode keeps no graph; with
+    room for one more graph than that (as it measured one to cost), it keeps one, says so once, embeds only
+    the others twice, stays within the budget on the meter and gives the uncached gradients."""
     columns = text_columns(16, 2, min_words=10, max_words=14)
     features = features_of(model, columns)
 
@@ -161,13 +168,17 @@ def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog
 
     whole = step_peak(losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=32))
     small = step_peak(losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=4))
-    budget = (small + whole) / 2
-    loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=budget / 2**20)
+    tight = auto_cmnrl(model, (small + whole) / 2)
+    tight(features, None).backward()
+    first = tight.auto_mini_batch.choice
+    assert 1 < first.size < 32 and first.kept == 0 and first.kept_graph_bytes > 0, first
+    budget = first.tried[first.size] + 1.05 * first.kept_graph_bytes
+    loss = auto_cmnrl(model, budget)
     with caplog.at_level(logging.INFO, logger="st_ext.losses.auto_mini_batch"):
         loss(features, None).backward()  # the first step measures
         loss(features, None).backward()
     choice = loss.auto_mini_batch.choice
-    assert 1 < choice.size < 32 and 1 <= choice.kept < choice.minibatches, choice
+    assert choice.size == first.size and 1 <= choice.kept < choice.minibatches, choice
     assert [record.getMessage() for record in caplog.records] == [str(choice)]
     assert f"{choice.minibatches} mini-batches, {choice.kept} of their graphs kept" in str(choice)
     assert step_peak(loss) <= budget, choice
