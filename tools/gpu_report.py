@@ -835,10 +835,13 @@ def part6(ctx: Context, part: Part) -> None:
     def cost_curve() -> str:
         results = in_process(part, f"bench_partial_caching.py {' '.join(argv)}", bench_partial_caching.main, argv)
         part.data["curve"] = results
-        return "; ".join(
-            f"{row['kept']}/{results['minibatches']} kept: time {row['time_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x"
-            for row in results["rows"]
-        ) + f" (÷ uncached: {results['uncached']['ms']:.0f} ms, {results['uncached']['peak_mib']:.0f} MiB)"
+        return (
+            "; ".join(
+                f"{row['kept']}/{results['minibatches']} kept: time {row['time_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x"
+                for row in results["rows"]
+            )
+            + f" (÷ uncached: {results['uncached']['ms']:.0f} ms, {results['uncached']['peak_mib']:.0f} MiB)"
+        )
 
     label = "tiny BERT (dry run)" if ctx.dry_run else "all-MiniLM-L6-v2, 256 pairs, seq 128, mini-batch 32"
     part.step(f"partial caching cost curve, {label} (bench_partial_caching.py)", cost_curve)
