@@ -27,24 +27,18 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from bench_cached_speed import batch_features, step, timed_step
 
 from st_ext import SentenceTransformer, losses
-from st_ext._compat import preprocess, st_losses
+from st_ext._compat import st_losses
 from st_ext.memory import measure_peak
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue"
-).split()
 
 
 def load_model(path: str | None, device: str, seq_len: int) -> SentenceTransformer:
@@ -55,28 +49,6 @@ def load_model(path: str | None, device: str, seq_len: int) -> SentenceTransform
     model = SentenceTransformer(path, device=device)
     model.max_seq_length = seq_len
     return model.train()
-
-
-def batch_features(model: SentenceTransformer, batch: int, seq_len: int, device: str) -> list[dict]:
-    """(anchor, positive) columns of ``batch`` texts, each long enough to fill ``seq_len`` tokens."""
-    rng = random.Random(batch)
-    columns = [[" ".join(rng.choices(WORDS, k=seq_len)) for _ in range(batch)] for _ in range(2)]
-    return [preprocess(model, column, device) for column in columns]
-
-
-def step(model, loss, features) -> None:
-    loss([dict(f) for f in features], None).backward()
-    model.zero_grad(set_to_none=True)
-
-
-def timed_step(model, loss, features, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    step(model, loss, features)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def measured(model, named_losses: dict, features, device: torch.device, repeats: int, memory: bool) -> dict:
