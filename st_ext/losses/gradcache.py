@@ -250,8 +250,8 @@ def _joined(pieces: list[list[list[Tensor]]]) -> list[list[Tensor]]:
 
 def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
     """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.cached_loss.CachedLoss`) and return a
-    loss whose ``backward()`` runs step (3) (or, when one mini-batch holds the whole batch, the plain loss
-    with its graph)."""
+    loss whose ``backward()`` runs step (3) (or, when every mini-batch keeps its graph, the plain loss with
+    its graph)."""
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
