@@ -63,6 +63,7 @@ from torch import nn
 WORLD_SIZE = 2
 ROWS_PER_RANK = 8
 MINI_BATCH_SIZE = 4  # two mini-batches per column on each rank: DDP's no_sync, then the synchronising one
+PARTIAL_KEPT_GRAPHS = 2  # the partial cases keep the first two mini-batches' graphs
 MATRYOSHKA_DIMS = [32, 16, 8]
 LEARNING_RATE = 0.5
 COLUMNS = ("anchor", "positive", "negative")
@@ -110,18 +111,20 @@ def gather_supported() -> bool:
     return all_gather_with_grad() is not None and "gather_across_devices" in signature.parameters
 
 
-def cached_mnrl(model: nn.Module, gathered: bool) -> nn.Module:
+def cached_mnrl(model: nn.Module, gathered: bool, kept_graphs: int | None = None) -> nn.Module:
     from st_ext import losses
 
     kwargs = {"gather_across_devices": True} if gathered else {}
-    return losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH_SIZE, **kwargs)
+    return losses.CachedMultipleNegativesRankingLoss(
+        model, mini_batch_size=MINI_BATCH_SIZE, kept_graphs=kept_graphs, **kwargs
+    )
 
 
-def matryoshka_cmnrl(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
+def matryoshka_cmnrl(gathered: bool, kept_graphs: int | None = None) -> Callable[[nn.Module, nn.Module], nn.Module]:
     def build(model: nn.Module, guide: nn.Module) -> nn.Module:
         from st_ext import losses
 
-        return losses.MatryoshkaLoss(model, cached_mnrl(model, gathered), MATRYOSHKA_DIMS)
+        return losses.MatryoshkaLoss(model, cached_mnrl(model, gathered, kept_graphs), MATRYOSHKA_DIMS)
 
     return build
 
@@ -255,6 +258,8 @@ CASES: dict[str, LossCase] = {
     "matryoshka_cmnrl": LossCase(matryoshka_cmnrl(gathered=False)),
     "matryoshka_cmnrl_gathered": LossCase(matryoshka_cmnrl(gathered=True), gathered=True),
     "matryoshka_cmnrl_checkpointed": LossCase(matryoshka_cmnrl(gathered=False), checkpointing=True),
+    # Partial caching: of the rank's 4 mini-batches, the first 2 keep their graphs and the others are replayed.
+    "matryoshka_cmnrl_partial": LossCase(matryoshka_cmnrl(gathered=False, kept_graphs=PARTIAL_KEPT_GRAPHS)),
     "matryoshka_2d_cmnrl": LossCase(matryoshka_2d_cmnrl(gathered=False)),
     "matryoshka_2d_cmnrl_gathered": LossCase(matryoshka_2d_cmnrl(gathered=True), gathered=True),
     "cached_gist": LossCase(cached_gist(gathered=False)),
@@ -928,7 +933,7 @@ def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, froze
 
 #: The losses each parity scenario runs: upstream's uncached loss (the reference), st_ext's cached loss
 #: and upstream's own cached loss, both at ``MINI_BATCH_SIZE`` (several mini-batches per column).
-PARITY_KINDS = ("plain", "st_ext", "upstream")
+PARITY_KINDS = ("plain", "st_ext", "st_ext_partial", "upstream")
 #: Marks the column that :class:`DetachedColumn` embeds without a graph: a tensor with a row each, so every
 #: engine (upstream 4.1's slices every value) cuts it into mini-batches.
 FROZEN_COLUMN_KEY = "frozen_column"
@@ -952,6 +957,8 @@ def parity_loss(kind: str, model: nn.Module) -> nn.Module:
 
     if kind == "plain":
         return st_losses().MultipleNegativesRankingLoss(model)
+    if kind == "st_ext_partial":
+        return cached_mnrl(model, gathered=False, kept_graphs=PARTIAL_KEPT_GRAPHS)
     upstream = st_losses().CachedMultipleNegativesRankingLoss
     cached = losses.CachedMultipleNegativesRankingLoss if kind == "st_ext" else upstream
     return cached(model, mini_batch_size=MINI_BATCH_SIZE)

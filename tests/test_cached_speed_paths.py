@@ -258,7 +258,10 @@ def test_out_of_memory_while_measuring_counts_as_over_budget(model, monkeypatch)
     monkeypatch.setattr(
         auto_mini_batch,
         "_probe_peak",
-        lambda m, f, d, passes: (probe_rows.append(len(f["input_ids"])), real_probe(m, f, d, passes))[1],
+        lambda m, f, d, passes, **graphs: (
+            probe_rows.append(len(f["input_ids"])),
+            real_probe(m, f, d, passes, **graphs),
+        )[1],
     )
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     loss = cmnrl(model, "auto", memory_budget_mb=1024)
@@ -267,8 +270,9 @@ def test_out_of_memory_while_measuring_counts_as_over_budget(model, monkeypatch)
     value.backward()
     choice = loss.auto_mini_batch.choice
     assert choice.size == 4 and not choice.checkpointing
-    # 8 rows ran out of memory, and again with checkpointing (the lever tries the next size up).
-    assert probe_rows == [1, 2, 4, 8, 8] and choice.tried[8] == choice.tried["8+ckpt"] == -1
+    # 8 rows ran out of memory, and again with checkpointing (the lever tries the next size up); then two
+    # graphs of 4 rows measure what a kept graph costs.
+    assert probe_rows == [1, 2, 4, 8, 8, 4] and choice.tried[8] == choice.tried["8+ckpt"] == -1
     assert "8: out of memory" in str(choice)
 
 

@@ -142,18 +142,22 @@ def test_ddp_reduces_once_per_cached_step_like_the_uncached_loss(ddp_parity):
 
     st_ext holds every mini-batch but the last under ``no_sync`` (``gradient_sync``) on every release;
     upstream does the same from 6.2, and before reduces after every mini-batch (same gradients, more
-    traffic). Each step: the number of gradient buckets DDP all-reduced, the gradients and the update,
-    against the uncached loss under the same DDP.
+    traffic). With partial caching the kept graphs' backward is held too (``st_ext_partial``). Each step:
+    the number of gradient buckets DDP all-reduced, the gradients and the update, against the uncached
+    loss under the same DDP.
     """
     for step in range(worker.PARITY_STEPS):
         plain = scenario(ddp_parity, "ddp", "plain", step)
         ours = scenario(ddp_parity, "ddp", "st_ext", step)
+        partial = scenario(ddp_parity, "ddp", "st_ext_partial", step)
         theirs = scenario(ddp_parity, "ddp", "upstream", step)
         one_round = plain[0]["reductions"]
         assert one_round >= 1
         assert_same_ddp_step(ours, plain[0], f"st_ext, step {step}")
+        assert_same_ddp_step(partial, plain[0], f"st_ext with kept graphs, step {step}")
         assert_same_ddp_step(theirs, plain[0], f"upstream, step {step}")
         assert [record["reductions"] for record in ours] == [one_round] * worker.WORLD_SIZE
+        assert [record["reductions"] for record in partial] == [one_round] * worker.WORLD_SIZE
         if UPSTREAM_HOLDS_DDP_SYNC:
             assert [record["reductions"] for record in theirs] == [one_round] * worker.WORLD_SIZE
         else:
@@ -169,13 +173,14 @@ def test_ddp_static_graph_reduces_its_first_mini_batch_and_then_once_per_step(dd
     gradients and updates, as upstream 6.2 does. Upstream before 6.2 reduces every mini-batch."""
     for step in range(worker.PARITY_STEPS):
         plain = scenario(ddp_parity, "static_graph", "plain", step)
-        ours = scenario(ddp_parity, "static_graph", "st_ext", step)
         theirs = scenario(ddp_parity, "static_graph", "upstream", step)
         one_round = plain[0]["reductions"]
-        assert_same_ddp_step(ours, plain[0], f"st_ext, step {step}")
         assert_same_ddp_step(theirs, plain[0], f"upstream, step {step}")
         expected = 2 * one_round if step == 0 else one_round
-        assert [record["reductions"] for record in ours] == [expected] * worker.WORLD_SIZE
+        for kind in ("st_ext", "st_ext_partial"):  # with kept graphs, their backward is the first
+            ours = scenario(ddp_parity, "static_graph", kind, step)
+            assert_same_ddp_step(ours, plain[0], f"{kind}, step {step}")
+            assert [record["reductions"] for record in ours] == [expected] * worker.WORLD_SIZE
         if UPSTREAM_HOLDS_DDP_SYNC:
             assert [record["reductions"] for record in theirs] == [expected] * worker.WORLD_SIZE
 
@@ -203,8 +208,8 @@ def test_ddp_reduces_when_the_final_mini_batch_is_frozen(ddp_parity):
             raise UpstreamPremiseError(str(error)) from None
     elif not all("error" in record for record in theirs):
         raise UpstreamPremiseError("expected this upstream release to fail on a frozen final mini-batch")
-    ours = scenario(ddp_parity, "frozen_last", "st_ext", 0)
-    assert_same_ddp_step(ours, reference, "st_ext")
+    for kind in ("st_ext", "st_ext_partial"):  # with kept graphs: the frozen column's two are replayed
+        assert_same_ddp_step(scenario(ddp_parity, "frozen_last", kind, 0), reference, kind)
 
 
 # ---------------------------------------------------------------------------------------------

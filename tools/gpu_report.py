@@ -23,7 +23,10 @@ off by a time limit keeps what it finished. The parts:
 5. flattened inputs through a real variable-length attention kernel (flash-attn if installed, else
    PyTorch's own ``torch.nn.attention.varlen.varlen_attn``, else the plain-torch loop of
    ``tests/varlen_attention.py``): a cached Matryoshka step's loss and gradients against the padded
-   path, and both steps' time.
+   path, and both steps' time;
+6. ``benchmarks/bench_partial_caching.py``: partial caching's cost curve on all-MiniLM-L6-v2 (256 pairs,
+   seq 128, mini-batch 32), step time and peak memory ÷ the uncached step's against the share of
+   mini-batch graphs kept (0, ¼, ½, ¾, all).
 
     python tools/gpu_report.py --part 1                 # on the GPU machine
     python tools/gpu_report.py --part all --dry-run     # CPU, tiny sizes (what CI runs)
@@ -61,6 +64,7 @@ PARTS = {
     "3": "checkpointing and layer-wise caching benchmarks, offload/release",
     "4": "two ranks on one GPU: DDP, FSDP2, DeepSpeed ZeRO against one process; the sharded table",
     "5": "flattened inputs through a variable-length attention kernel",
+    "6": "partial caching: step time and peak memory against the mini-batch graphs kept",
 }
 GROUPS = {"all": list(PARTS), "2": ["2a", "2b", "2c", "2d"]}
 
@@ -816,9 +820,39 @@ def part5(ctx: Context, part: Part) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Part 6
 
 
-RUNNERS = {"1": part1, "2a": part2, "2b": part2, "2c": part2, "2d": part2, "3": part3, "4": part4, "5": part5}
+def part6(ctx: Context, part: Part) -> None:
+    import bench_partial_caching
+
+    if ctx.dry_run:
+        argv = ["--device", "cpu", "--batch", "4", "--seq-len", "16", "--mini-batch", "2", "--repeats", "1",
+                "--threads", "1", "--model", str(tiny_path(ctx))]  # fmt: skip
+    else:
+        argv = ["--device", "cuda", "--batch", "256", "--seq-len", "128", "--mini-batch", "32", "--repeats", "5"]
+
+    def cost_curve() -> str:
+        results = in_process(part, f"bench_partial_caching.py {' '.join(argv)}", bench_partial_caching.main, argv)
+        part.data["curve"] = results
+        return (
+            "; ".join(
+                f"{row['kept']}/{results['minibatches']} kept: time {row['time_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x"
+                for row in results["rows"]
+            )
+            + f" (÷ uncached: {results['uncached']['ms']:.0f} ms, {results['uncached']['peak_mib']:.0f} MiB)"
+        )
+
+    label = "tiny BERT (dry run)" if ctx.dry_run else "all-MiniLM-L6-v2, 256 pairs, seq 128, mini-batch 32"
+    part.step(f"partial caching cost curve, {label} (bench_partial_caching.py)", cost_curve)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+RUNNERS = {
+    "1": part1, "2a": part2, "2b": part2, "2c": part2, "2d": part2, "3": part3, "4": part4, "5": part5, "6": part6,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,9 @@ the batch in hand, on its *longest* rows, for sizes 1, 2, 4, ... up to the whole
 largest size that fits is kept, until a batch has more rows or a longer row. Measuring leaves no
 trace (gradients already in ``.grad`` are put back), and an out-of-memory error counts as over
 budget. Where the model can checkpoint, larger sizes are measured again with checkpointing on, and
-taken when the measured times say the step is faster. docs/speed.md says the rest.
+taken when the measured times say the step is faster. What the chosen size leaves of the budget
+holds kept graphs (partial caching: a kept mini-batch is not embedded a second time); what one costs
+is measured too, as the peak of two graphs alive together less that of one. docs/speed.md says the rest.
 """
 
 from __future__ import annotations
@@ -50,11 +52,18 @@ class AutoChoice:
     meter: str = ""
     tried: dict[int | str, int] = field(default_factory=dict)
     checkpointing: bool = False
+    #: Forward passes at ``size``, and how many of them keep their graph for the backward (partial caching).
+    minibatches: int = 1
+    kept: int = 0
+    #: The measured cost of one more kept graph (None: not measured, the whole batch is one pass).
+    kept_graph_bytes: int | None = None
 
     def __str__(self) -> str:
-        how = (
-            "one pass over the whole batch" if self.size >= self.rows else f"{-(-self.rows // self.size)} mini-batches"
-        )
+        how = "one pass over the whole batch" if self.size >= self.rows else f"{self.minibatches} mini-batches"
+        if self.size < self.rows:
+            how += f", {self.kept} of their graphs kept"
+            if self.kept_graph_bytes is not None:
+                how += f" ({_mib(self.kept_graph_bytes)} each)"
         if self.checkpointing:
             how += " with gradient checkpointing"
         if self.budget_bytes is None:
@@ -156,6 +165,11 @@ class AutoMiniBatch:
             choice.tried.update({f"{size}+ckpt": peak for size, peak in with_checkpointing.peaks.items()})
             if larger and with_checkpointing.step_seconds(larger) < series.step_seconds(plain):
                 choice.size, choice.checkpointing = larger, True
+                series = with_checkpointing
+        choice.minibatches = series.minibatches(choice.size)
+        if choice.size < rows:
+            choice.kept_graph_bytes = series.kept_graph_bytes(choice.size)
+            choice.kept = series.graphs_kept(choice.size, choice.kept_graph_bytes)
         return choice
 
 
@@ -184,6 +198,7 @@ class _Series:
         self.peaks: dict[int, int] = {}
         self.seconds: dict[int, float] = {}
         self.meter = ""
+        self.dim = 0  # the embedding size, once a probe has run
 
     def largest_fitting(self, start: int) -> int:
         """The largest probed size from ``start`` up whose step fits the budget (0: none)."""
@@ -204,6 +219,7 @@ class _Series:
                     self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, passes
                 )
             self.seconds[size] = (time.perf_counter() - began) / passes
+            self.dim = dim
             peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)
             self.peaks[size] = -1 if peak is None else peak
             if graph_peak is not None:
@@ -222,14 +238,41 @@ class _Series:
         return fitting
 
     def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
-        """A step's peak: the larger of the backward and the update. Beyond one mini-batch's graph, the
-        backward holds the batch's embeddings, their cached gradients and a transformed copy (Matryoshka,
-        normalisation), in fp32, and the loss's score block for ``size`` anchors against every candidate
-        with its softmax and gradient (estimated)."""
+        """A step's peak: the larger of the backward and the update."""
+        return max(self._backward_peak(graph_peak, dim, size), self.update_bytes)
+
+    def _backward_peak(self, graph_peak: int, dim: int, size: int) -> int:
+        """Beyond one mini-batch's graph, the backward holds the batch's embeddings, their cached gradients
+        and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block for ``size``
+        anchors against every candidate with its softmax and gradient (estimated)."""
         anchors = self.layouts[0].rows
         candidates = self.rows - anchors if len(self.layouts) > 1 else self.rows
-        overhead = 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
-        return max(graph_peak + overhead, self.update_bytes)
+        return graph_peak + 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+
+    def minibatches(self, size: int) -> int:
+        """The forward passes of a batch at ``size``: across columns where they share passes (the probes'
+        rows then span every column), else per column."""
+        if len(self.order) == self.rows:
+            return -(-self.rows // size)
+        return sum(-(-layout.rows // size) for layout in self.layouts)
+
+    def kept_graph_bytes(self, size: int) -> int | None:
+        """What one more graph of ``size`` rows alive until the backward adds to the peak: two graphs'
+        forward and backward measured against one's (None: out of memory)."""
+        rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
+        with checkpointed(self.model, self.checkpointed):
+            two, _, _ = _probe_peak(
+                self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, 2, graphs=2
+            )
+        return None if two is None else max(two - self.graphs[size], 1)
+
+    def graphs_kept(self, size: int, kept_graph_bytes: int | None) -> int:
+        """How many of the step's graphs at ``size`` the budget holds beside its backward, at most all but one
+        (were every one kept, the batch would be one pass, which did not fit)."""
+        if kept_graph_bytes is None:
+            return 0
+        spare = self.budget - self._backward_peak(self.graphs[size], self.dim, size)
+        return max(0, min(self.minibatches(size) - 1, spare // kept_graph_bytes))
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
@@ -301,10 +344,11 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
 
 
 def _probe_peak(
-    model: nn.Module, features: Features, device: torch.device, passes: int
+    model: nn.Module, features: Features, device: torch.device, passes: int, graphs: int = 1
 ) -> tuple[int | None, int, str]:
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
-    memory), the embedding size, and the meter.
+    memory), the embedding size, and the meter. With ``graphs`` above 1, each pass embeds the features that
+    many times before one backward through every graph, as kept graphs are back-propagated.
 
     Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients
     (unless the step starts with gradients already there), and every later one adds a fresh gradient
@@ -323,12 +367,12 @@ def _probe_peak(
         with local, measure_peak(device) as peak, torch.enable_grad():
             meter = peak.meter
             for _ in range(passes):
-                output = module(features)["sentence_embedding"]
-                dim = output.shape[-1]
-                if not output.requires_grad:
+                outputs = [module(features)["sentence_embedding"] for _ in range(graphs)]
+                dim = outputs[0].shape[-1]
+                if not outputs[0].requires_grad:
                     break
-                output.float().pow(2).sum().backward()
-                del output
+                sum(output.float().pow(2).sum() for output in outputs).backward()
+                del outputs
     except torch.cuda.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -375,18 +419,20 @@ def checkpointed(model: nn.Module, on: bool) -> contextlib.AbstractContextManage
 
 @dataclass(frozen=True)
 class Sizing:
-    """How this batch is embedded: rows (or tokens) per mini-batch, and whether the graph passes checkpoint."""
+    """How this batch is embedded: rows (or tokens) per mini-batch, whether the graph passes checkpoint,
+    and how many mini-batches keep their graph for the backward (the first ones)."""
 
     size: int
     num_tokens: int | None = None
     checkpointing: bool = False
+    kept_graphs: int = 0
 
 
 def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> Sizing:
     """This batch's :class:`Sizing` for a :class:`~st_ext.losses.cached_loss.CachedLoss`, ``"auto"``
     resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
     if loss.mini_batch_size != AUTO:
-        return Sizing(loss.mini_batch_size, loss.mini_batch_num_tokens)
+        return Sizing(loss.mini_batch_size, loss.mini_batch_num_tokens, kept_graphs=loss.kept_graphs)
     if parameters_sharded(loss.model):
         raise ValueError(
             f"{loss.name}: mini_batch_size='auto' measures each rank on its own, which a model whose "
@@ -394,11 +440,14 @@ def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layo
             "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
         )
     size = loss.auto.size_for(loss.model, sentence_features, layouts)
-    return Sizing(size, None, loss.auto.choice.checkpointing)
+    return Sizing(size, None, loss.auto.choice.checkpointing, loss.auto.choice.kept)
 
 
 def make_auto_mini_batch(
-    mini_batch_size: Any, mini_batch_num_tokens: int | None, memory_budget_mb: float | None
+    mini_batch_size: Any,
+    mini_batch_num_tokens: int | None,
+    memory_budget_mb: float | None,
+    kept_graphs: int | None = None,
 ) -> AutoMiniBatch | None:
     """The :class:`AutoMiniBatch` a loss constructed with these settings keeps (None unless ``"auto"``),
     after refusing settings no cached loss takes."""
@@ -408,6 +457,14 @@ def make_auto_mini_batch(
         raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {mini_batch_size!r}.")
     if mini_batch_num_tokens is not None and mini_batch_num_tokens <= 0:
         raise ValueError(f"mini_batch_num_tokens must be a positive integer or None, got {mini_batch_num_tokens!r}.")
+    if kept_graphs is not None:
+        if isinstance(kept_graphs, bool) or not isinstance(kept_graphs, int) or kept_graphs < 0:
+            raise ValueError(f"kept_graphs must be a whole number of mini-batches or None, got {kept_graphs!r}.")
+        if mini_batch_size == AUTO:
+            raise ValueError(
+                "mini_batch_size='auto' chooses how many graphs to keep from its measured budget: leave "
+                "kept_graphs at None, or give mini_batch_size a number."
+            )
     if mini_batch_size != AUTO:
         if memory_budget_mb is not None:
             raise ValueError("memory_budget_mb applies to mini_batch_size='auto' only; set mini_batch_size='auto'.")

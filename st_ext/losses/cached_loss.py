@@ -67,7 +67,9 @@ class CachedLoss:
     """A loss over cached embeddings, as the engine runs it.
 
     ``mini_batch_size`` is a number or ``"auto"`` (resolved by ``auto``, an
-    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch`). ``start(sentence_features, ranges,
+    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch`, which also chooses how many graphs to keep);
+    ``kept_graphs``: with a number, how many mini-batches keep their graph for the backward instead of
+    being embedded again (0: every one is). ``start(sentence_features, ranges,
     mini_batch_size)`` opens a forward pass before any mini-batch is embedded, with each column's
     mini-batch row ranges (a frozen encoder embeds the same ones) and the size resolved for this batch (a
     loss that scores its anchors a block at a time uses it as its block).
@@ -80,11 +82,13 @@ class CachedLoss:
     mini_batch_num_tokens: int | None = None
     auto: Any = None
     show_progress_bar: bool = False
+    kept_graphs: int = 0
 
 
 def described(loss: Any, start: Callable[[list[Features], list[Ranges], int], LossStep]) -> CachedLoss:
     """A loss that keeps a cached loss's usual settings (``model``, ``mini_batch_size``, and where it has
-    them ``mini_batch_num_tokens``, ``auto_mini_batch``, ``show_progress_bar``), with ``start``."""
+    them ``mini_batch_num_tokens``, ``auto_mini_batch``, ``show_progress_bar``, ``kept_graphs``), with
+    ``start``."""
     return CachedLoss(
         name=type(loss).__name__,
         model=loss.model,
@@ -93,6 +97,7 @@ def described(loss: Any, start: Callable[[list[Features], list[Ranges], int], Lo
         mini_batch_num_tokens=getattr(loss, "mini_batch_num_tokens", None),
         auto=getattr(loss, "auto_mini_batch", None),
         show_progress_bar=getattr(loss, "show_progress_bar", False),
+        kept_graphs=getattr(loss, "kept_graphs", None) or 0,
     )
 
 

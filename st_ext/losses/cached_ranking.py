@@ -1,10 +1,11 @@
 """Upstream's cached ranking losses on st_ext's GradCache engine, with ``mini_batch_size="auto"``.
 
 The classes subclass upstream's: its constructor (the installed release's arguments, in its order,
-plus the keyword-only ``memory_budget_mb`` and, for CachedMultipleNegativesRankingLoss, ``document_ids``), its
-``calculate_loss`` (every option of the installed release) and its model card; only the forward pass is
-st_ext's. With ``document_ids`` the loss over embeddings is :func:`~st_ext.losses.masked_ranking.masked_ranking_loss`
-instead, which masks candidates from an anchor's own document (:mod:`st_ext.losses.same_document`). A subclass that overrides a step of
+plus the keyword-only ``memory_budget_mb``, ``kept_graphs`` and, for CachedMultipleNegativesRankingLoss,
+``document_ids``), its ``calculate_loss`` (every option of the installed release) and its model card; only the
+forward pass is st_ext's. With ``document_ids`` the loss over embeddings is
+:func:`~st_ext.losses.masked_ranking.masked_ranking_loss` instead, which masks candidates from an anchor's own
+document (:mod:`st_ext.losses.same_document`). A subclass that overrides a step of
 upstream's engine runs upstream's forward instead (:mod:`st_ext.losses.overrides`).
 """
 
@@ -45,6 +46,7 @@ class CachedRankingMixin:
     def _set_up(
         self,
         memory_budget_mb: float | None,
+        kept_graphs: int | None,
         upstream_arguments: dict[str, Any],
         document_ids: DocumentIds | None = None,
     ) -> None:
@@ -61,9 +63,10 @@ class CachedRankingMixin:
         if auto:
             self.mini_batch_size = AUTO
         self.auto_mini_batch = make_auto_mini_batch(
-            self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb
+            self.mini_batch_size, getattr(self, "mini_batch_num_tokens", None), memory_budget_mb, kept_graphs
         )
         self.memory_budget_mb = memory_budget_mb
+        self.kept_graphs = kept_graphs
         # Whether upstream's forward must run this loss: fixed by its class, so decided once, here.
         self._runs_upstream_forward = bool(upstream_hook_overrides(self, upstream_class))
         name = type(self).__name__
@@ -159,7 +162,8 @@ def with_chunk_size(loss: nn.Module, mini_batch_size: int) -> nn.Module:
 
 _NOTE = (
     'runs on st_ext\'s GradCache engine; ``mini_batch_size`` may be ``"auto"``, sized to the keyword-only '
-    "``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`)."
+    "``memory_budget_mb`` (MiB; see :mod:`st_ext.losses.auto_mini_batch`); the keyword-only ``kept_graphs`` "
+    "keeps that many mini-batches' graphs for the backward instead of embedding them twice."
 )
 
 
@@ -177,10 +181,11 @@ with warnings.catch_warnings():
             self,
             *,
             memory_budget_mb: float | None = None,
+            kept_graphs: int | None = None,
             document_ids: DocumentIds | None = None,
             **upstream_arguments: Any,
         ) -> None:
-            self._set_up(memory_budget_mb, upstream_arguments, document_ids)
+            self._set_up(memory_budget_mb, kept_graphs, upstream_arguments, document_ids)
 
     @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
     class CachedMultipleNegativesSymmetricRankingLoss(
@@ -189,5 +194,7 @@ with warnings.catch_warnings():
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
 
         @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
-        def __init__(self, *, memory_budget_mb: float | None = None, **upstream_arguments: Any) -> None:
-            self._set_up(memory_budget_mb, upstream_arguments)
+        def __init__(
+            self, *, memory_budget_mb: float | None = None, kept_graphs: int | None = None, **upstream_arguments: Any
+        ) -> None:
+            self._set_up(memory_budget_mb, kept_graphs, upstream_arguments)

@@ -457,7 +457,11 @@ class CachedGISTEmbedLoss(GuidedLoss):
             device only for its no-grad pass in each step.
         memory_budget_mb: keyword-only, with ``mini_batch_size="auto"``: the step's peak memory
             above its starting level, in MiB. None: a share of the free memory on CUDA; on the CPU,
-            the whole batch as one mini-batch.
+            the whole batch as one mini-batch. The auto mode also keeps as many mini-batch graphs as
+            the budget holds beside its backward.
+        kept_graphs: keyword-only, with a numeric ``mini_batch_size``: how many mini-batches (the
+            first ones) keep their graph for the backward instead of being embedded a second time:
+            faster, with that many graphs in memory. None or 0: every mini-batch is embedded again.
         document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id:
             candidates from a row's own document (gathered ones too) are masked as negatives
             (:mod:`st_ext.losses.same_document`).
@@ -519,6 +523,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         guide_embeddings: GuideEmbeddings | None = None,
         offload_guide: bool = False,
         memory_budget_mb: float | None = None,
+        kept_graphs: int | None = None,
         document_ids: DocumentIds | None = None,
     ) -> None:
         super().__init__()
@@ -528,8 +533,11 @@ class CachedGISTEmbedLoss(GuidedLoss):
                 "(also behind a Router): its inputs have no batch dimension to split into mini-batches. "
                 "Consider using GISTEmbedLoss instead."
             )
-        self.auto_mini_batch = make_auto_mini_batch(mini_batch_size, mini_batch_num_tokens, memory_budget_mb)
+        self.auto_mini_batch = make_auto_mini_batch(
+            mini_batch_size, mini_batch_num_tokens, memory_budget_mb, kept_graphs
+        )
         self.memory_budget_mb = memory_budget_mb
+        self.kept_graphs = kept_graphs
         self._set_up(
             model,
             guide,

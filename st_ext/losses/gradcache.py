@@ -9,9 +9,14 @@ A cached loss trades one extra forward pass for memory bounded by the mini-batch
         replayed RNG state so dropout draws the same masks, and back-propagate its cached gradient
         through it; one mini-batch graph is alive at a time.
 
-When one mini-batch holds the whole batch, (1)-(3) buy nothing and the plain forward and backward
-run instead. Frozen encoders (a GIST guide) are embedded once, in (1). Everything that belongs to one
-forward pass is handed to its backward as arguments, so a second forward pass cannot corrupt the first.
+Partial caching: where memory holds the graphs of some mini-batches (``kept_graphs``, or what
+``mini_batch_size="auto"`` measured), the first of them are embedded in (1) with a graph, which is
+kept; in (3) their cached gradients are back-propagated through those graphs, in one backward before
+the replays, and only the other mini-batches are re-embedded. When every graph is kept (one
+mini-batch holds the whole batch, or ``kept_graphs`` covers them all), (1)-(3) buy nothing and the
+plain forward and backward run instead. Frozen encoders (a GIST guide) are embedded once, in (1).
+Everything that belongs to one forward pass is handed to its backward as arguments, so a second
+forward pass cannot corrupt the first.
 """
 
 from __future__ import annotations
@@ -152,12 +157,18 @@ def replay_backward(
     encoder: Encoder,
     checkpointing: bool,
     show_progress_bar: bool,
+    kept: list[list[Tensor]] | None = None,
 ) -> None:
     """Step (3). ``grad_output`` (the fp16 scaler's scale, the gradient-accumulation divisor) scales every
-    mini-batch. Under a distributed engine only the last mini-batch reduces gradients across ranks; when
+    mini-batch. ``kept`` holds the outputs, with their graphs, of the first mini-batches (emptied here, so
+    the graphs go with the backward): they back-propagate first, in one backward, and the others are
+    replayed. Under a distributed engine only the last mini-batch reduces gradients across ranks; when
     that one back-propagates nothing (a frozen route), the last one that did is replayed once more with
     a zero gradient inside the reducing context, so the step still reduces, once, on every rank.
     """
+    kept_outputs = list(kept or [])
+    if kept:
+        kept.clear()
 
     def replay(minibatch: MiniBatch, state: RngState, cached: list[Tensor | None], scale: Tensor) -> bool:
         """False when none of the mini-batch's outputs needs a gradient."""
@@ -173,7 +184,13 @@ def replay_backward(
     jobs = list(zip(plan.minibatches, rng_states, grads))
     last_trained = None
     with torch.enable_grad(), checkpointed(model, checkpointing):
-        for index, job in enumerate(tqdm(jobs, desc="Backward mini-batches", disable=not show_progress_bar)):
+        if kept_outputs:
+            with gradient_sync(model, sync=False):
+                last_trained = _kept_backward(kept_outputs, grads, grad_output)
+        replayed = jobs[len(kept_outputs) :]
+        for index, job in enumerate(
+            tqdm(replayed, desc="Backward mini-batches", disable=not show_progress_bar), start=len(kept_outputs)
+        ):
             with gradient_sync(model, sync=index == last):
                 if replay(*job, grad_output):
                     last_trained = index
@@ -182,33 +199,59 @@ def replay_backward(
                 replay(*jobs[last_trained], torch.zeros_like(grad_output))
 
 
+def _kept_backward(kept: list[list[Tensor]], grads: list[list[Tensor | None]], scale: Tensor) -> int | None:
+    """Back-propagate the cached gradients of the kept mini-batches through their graphs, all in one backward
+    (a distributed engine sees one backward, whatever their number); the index of the last of them that had
+    a gradient to back-propagate, or None."""
+    pairs, last_trained = [], None
+    for index, (outputs, cached) in enumerate(zip(kept, grads)):
+        trained = [(out, grad) for out, grad in zip(outputs, cached) if grad is not None and out.requires_grad]
+        if trained:
+            pairs += trained
+            last_trained = index
+    if pairs:
+        sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
+    return last_trained
+
+
 def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:
     """A scalar whose gradient wrt ``reps`` is ``grad``, computed in at least fp32."""
     dtype = torch.promote_types(torch.promote_types(reps.dtype, grad.dtype), torch.float32)
     return torch.dot(reps.flatten().to(dtype), grad.flatten().to(dtype))
 
 
+def _minibatch_pieces(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[list[Tensor]]]:
+    """``pieces[mini_batch][output]``: the mini-batch's rows of each output, one piece per segment."""
+    columns_of = [[iter(column) for column in output] for output in outputs]
+    return [
+        [[next(columns[segment.column]) for segment in minibatch] for columns in columns_of]
+        for minibatch in plan.minibatches
+    ]
+
+
 def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor | None]]:
     """``grads[mini_batch][output]``: zeros for a segment that got no gradient, None for an output that got none."""
-    pieces = [[iter(column) for column in output] for output in outputs]
     grads = []
-    for minibatch in plan.minibatches:
-        per_output = []
-        for columns in pieces:
-            reps = [next(columns[segment.column]) for segment in minibatch]
+    for per_output in _minibatch_pieces(outputs, plan):
+        grads.append([])
+        for reps in per_output:
             if all(rep.grad is None for rep in reps):
-                per_output.append(None)
+                grads[-1].append(None)
                 continue
             parts = [torch.zeros_like(rep) if rep.grad is None else rep.grad for rep in reps]
-            per_output.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-        grads.append(per_output)
+            grads[-1].append(parts[0] if len(parts) == 1 else torch.cat(parts))
     return grads
+
+
+def _joined(pieces: list[list[list[Tensor]]]) -> list[list[Tensor]]:
+    """Each mini-batch's output rows in one tensor, as its forward pass returned them."""
+    return [[parts[0] if len(parts) == 1 else torch.cat(parts) for parts in per_output] for per_output in pieces]
 
 
 def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
     """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.cached_loss.CachedLoss`) and return a
-    loss whose ``backward()`` runs step (3) (or, when one mini-batch holds the whole batch, the plain loss
-    with its graph)."""
+    loss whose ``backward()`` runs step (3) (or, when every mini-batch keeps its graph, the plain loss with
+    its graph)."""
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
@@ -233,22 +276,36 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
         return value
 
     grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and plan.single_pass:
+    kept = len(plan.minibatches) if plan.single_pass else min(batching.kept_graphs, len(plan.minibatches))
+    if grad_enabled and kept == len(plan.minibatches):
         with checkpointed(loss.model, batching.checkpointing):
             outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
         return finished(outputs, loss_over(outputs, with_backward=False))
+    if not grad_enabled:
+        kept = 0
+    kept_plan, replayed_plan = plan.split(kept)
+    embed = partial(
+        embed_minibatches,
+        loss.model,
+        sentence_features,
+        keep_rng=grad_enabled,
+        show_progress_bar=loss.show_progress_bar,
+        encoder=encoder,
+    )
+    # A distributed engine decides at forward time whether a graph's backward reduces (DDP): the kept
+    # graphs' backward never does, since replayed mini-batches follow it.
+    kept_outputs, kept_rng_states = [], []
+    if kept:
+        with checkpointed(loss.model, batching.checkpointing), gradient_sync(loss.model, sync=False):
+            kept_outputs, kept_rng_states = embed(kept_plan)
     with torch.no_grad():
-        outputs, rng_states = embed_minibatches(
-            loss.model,
-            sentence_features,
-            plan,
-            keep_rng=grad_enabled,
-            show_progress_bar=loss.show_progress_bar,
-            encoder=encoder,
-        )
+        outputs, rng_states = embed(replayed_plan)
+    outputs = _concatenated(kept_outputs, outputs)
+    rng_states = kept_rng_states + rng_states
     if not grad_enabled:
         return finished(outputs, loss_over(outputs, with_backward=False))
 
+    graphs = _joined(_minibatch_pieces(outputs, kept_plan))
     outputs = [[[rep.detach().requires_grad_() for rep in column] for column in output] for output in outputs]
     value = loss_over(outputs, with_backward=True)
     unused = [str(index) for index, column in enumerate(outputs[0]) if any(rep.grad is None for rep in column)]
@@ -267,8 +324,16 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
         encoder=encoder,
         checkpointing=batching.checkpointing,
         show_progress_bar=loss.show_progress_bar,
+        kept=graphs,
     )
     return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
+
+
+def _concatenated(first: list[Reps], then: list[Reps]) -> list[Reps]:
+    """Two runs of mini-batches' outputs (``outputs[output][column][mini_batch]``) as one, in order."""
+    if not first or not then:
+        return first or then
+    return [[a + b for a, b in zip(one, other)] for one, other in zip(first, then)]
 
 
 class _ReplayOnBackward(torch.autograd.Function):

@@ -12,7 +12,7 @@ own, as upstream does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,11 @@ class MiniBatchPlan:
     @property
     def merged(self) -> bool:
         return any(len(minibatch) > 1 for minibatch in self.minibatches)
+
+    def split(self, count: int) -> tuple[MiniBatchPlan, MiniBatchPlan]:
+        """The first ``count`` forward passes and the others, as two plans over the same layouts."""
+        first = replace(self, minibatches=self.minibatches[:count], single_pass=False)
+        return first, replace(self, minibatches=self.minibatches[count:], single_pass=False)
 
     def column_ranges(self) -> list[Ranges]:
         """Each column's ``(begin, end)`` pieces, in order (the mini-batches a frozen encoder can reuse)."""

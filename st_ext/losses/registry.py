@@ -128,6 +128,7 @@ def build_loss(
     guide: nn.Module | None = None,
     mini_batch_size: int | str = 32,
     memory_budget_mb: float | None = None,
+    kept_graphs: int | None = None,
     matryoshka_dims: Sequence[int] | None = None,
     matryoshka_weights: Sequence[float] | None = None,
     n_dims_per_step: int = -1,
@@ -135,8 +136,8 @@ def build_loss(
 ) -> nn.Module:
     """The loss called ``name`` (see :func:`known_losses`) for ``model``.
 
-    ``mini_batch_size`` (a number or ``"auto"``) and ``memory_budget_mb`` (for ``"auto"``) apply to
-    cached losses only; ``guide`` to GIST losses (which also take ``guide_embeddings=`` and
+    ``mini_batch_size`` (a number or ``"auto"``), ``memory_budget_mb`` (for ``"auto"``) and ``kept_graphs``
+    (for a number) apply to cached losses only; ``guide`` to GIST losses (which also take ``guide_embeddings=`` and
     ``offload_guide=``); ``matryoshka_*`` to Matryoshka names, whose dimensions default to the model's
     and its halvings down to 32. Other keywords go to the base loss.
     """
@@ -162,6 +163,8 @@ def build_loss(
         kwargs["mini_batch_size"] = mini_batch_size
         if memory_budget_mb is not None:
             kwargs["memory_budget_mb"] = memory_budget_mb
+        if kept_graphs is not None:
+            kwargs["kept_graphs"] = kept_graphs
     loss = spec.build(model, **kwargs)
     if not matryoshka:
         return loss
