@@ -167,6 +167,9 @@ def is_gradient_caching(loss: Any) -> bool:
     )
     if isinstance(loss, tuple(filter(None, map(upstream_loss_class, names)))):
         return True
+    cross_encoder = archetype_loss_class("cross_encoder", "CachedMultipleNegativesRankingLoss")
+    if cross_encoder is not None and isinstance(loss, cross_encoder):
+        return True
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
 
@@ -184,6 +187,28 @@ def ranking_loss_from_embeddings(loss: Any, embeddings: list[Tensor], labels: Te
         return compute(embeddings, labels)
     scores = loss.similarity_fct(embeddings[0], torch.cat(embeddings[1:])) * loss.scale
     return loss.cross_entropy_loss(scores, torch.arange(len(scores), device=scores.device))
+
+
+def archetype_loss_class(archetype: str, name: str) -> type | None:
+    """Upstream's loss class ``name`` of ``archetype`` (``"cross_encoder"``, ``"sparse_encoder"``,
+    ``"multi_vector_encoder"``), or None where the installed release lacks either."""
+    try:
+        module = importlib.import_module(f"sentence_transformers.{archetype}.losses")
+    except ImportError:
+        return None
+    return getattr(module, name, None)
+
+
+def cross_encoder_scores_features(loss_class: type) -> bool:
+    """Whether CrossEncoder's cached ranking loss tokenizes its pairs with the model's ``preprocess`` (with a
+    prompt and task) and reads ``model(features)["scores"]`` (6.x); 4.x's calls the Hugging Face classifier
+    inside the loss, on raw pairs."""
+    return "prompt" in inspect.signature(loss_class.predict_minibatch).parameters
+
+
+def splade_component_values(loss: Any) -> dict[str, float]:
+    """What ``CachedSpladeLoss.calculate_loss`` recorded of each term of its last loss, for the trainer's logs."""
+    return dict(getattr(loss, "_component_values", {}))
 
 
 def upstream_cached_loss_mixin() -> type | None:
