@@ -151,9 +151,9 @@ def case_loss(name: str, model, mini_batch_size=MINI_BATCH_SIZE):
     return case.build(case.loss_class(), model, mini_batch_size=mini_batch_size)
 
 
-def case_dataset(name: str, rows: int = ROWS):
+def case_dataset(name: str, rows: int = ROWS, seed: int = 1):
     """(anchor, positive) rows; a CrossEncoder's as (query, answer)."""
     from datasets import Dataset
 
     first, second = ("query", "answer") if CASES[name].archetype == "CrossEncoder" else ("anchor", "positive")
-    return Dataset.from_dict({first: texts(rows, seed=1), second: texts(rows, seed=2)})
+    return Dataset.from_dict({first: texts(rows, seed=seed), second: texts(rows, seed=seed + 100)})

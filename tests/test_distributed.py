@@ -483,3 +483,91 @@ def test_guide_loaded_after_zero3_arguments_trains(guide_loaded_last, model_dirs
     if mode == "resident":
         for run in runs:
             assert run["offload_error"] is not None and "sharded across ranks" in run["offload_error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every archetype's upstream cached loss under every engine, with evaluation between the steps
+
+
+def archetype_case_names() -> list[str]:
+    from archetype_losses import CASES
+
+    return [name for name, case in CASES.items() if case.missing() is None]
+
+
+@pytest.fixture(scope="module")
+def archetype_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    from archetype_losses import save_case_models
+
+    return save_case_models(tmp_path_factory.mktemp("archetype_models"))
+
+
+@pytest.fixture(scope="module", params=worker.ARCHETYPE_ENGINES)
+def archetype_engine_run(request, archetype_model_dirs, tmp_path_factory) -> tuple[str, Path]:
+    """The engine, and where both ranks saved each case's report and trained model under it."""
+    engine = request.param
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (requirements/test.txt)")
+    out = tmp_path_factory.mktemp(f"archetypes_{engine}")
+    environment = accelerate_launch_environment(EXAMPLES / "accelerate_fsdp2.yaml") if engine == "fsdp2" else None
+    models = archetype_model_dirs["encoder"].parent
+    torchrun(
+        "archetype-engines", "--models", str(models), "--out", str(out), "--engine", engine, *archetype_case_names(),
+        log=out / "torchrun.log", environment=environment,
+    )  # fmt: skip
+    return engine, out
+
+
+@pytest.fixture(scope="module")
+def archetype_references(archetype_model_dirs, tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """One process's training of each case: over the two ranks' rows (gradient accumulation over each rank's
+    batch, which DDP and FSDP2 average), and over one rank's rows (what DeepSpeed trains here: accelerate
+    counts one process on CPU ranks, so each rank reads the whole dataset, see ``run_deepspeed_training``)."""
+    out = tmp_path_factory.mktemp("archetype_references")
+    runs = {}
+    for name in archetype_case_names():
+        for accumulation in (1, 2):
+            trainer = worker.train_archetype(
+                name, archetype_model_dirs, out / f"{name}-{accumulation}", ddp_backend=None,
+                gradient_accumulation_steps=accumulation,
+            )  # fmt: skip
+            runs[name, accumulation] = (out / f"{name}-{accumulation}" / "final", worker.archetype_report(trainer))
+    return runs
+
+
+def archetype_weights(name: str, path: Path) -> dict:
+    """The parameters of the model saved at ``path``, as plain sentence-transformers loads its archetype."""
+    import sentence_transformers
+    from archetype_losses import CASES
+
+    model = getattr(sentence_transformers, CASES[name].archetype)(str(path), device="cpu")
+    return {key: value.detach() for key, value in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", archetype_case_names())
+def test_every_archetypes_upstream_cached_loss_trains_and_evaluates_as_one_process(
+    name, archetype_engine_run, archetype_references, archetype_model_dirs
+):
+    """Upstream's cached loss object of each archetype, trained by st_ext's trainer on its engine under DDP,
+    FSDP2 and ZeRO 1-3: the trained weights equal one process's, and so do the evaluations after each step
+    (eval loss through the cached loss, and the SentenceTransformer's information-retrieval metrics), the
+    second step following the first evaluation. Under ZeRO-2/3 a second reduction within a step fails
+    ("Gradient computed twice for this partition"), so these runs reduce once per step."""
+    engine, out = archetype_engine_run
+    runs = [rank[name] for rank in rank_reports(out, f"archetypes-{engine}")]
+    for run in runs:
+        assert run["report"] is not None, run.get("error")
+        assert run["report"]["engine_forwards"] == 1, "st_ext's trainer did not forward the loss on its engine"
+        assert run["report"]["global_step"] == 2
+    deepspeed = engine.startswith("zero")
+    path, reference = archetype_references[name, 1 if deepspeed else 2]
+    for run in runs:
+        assert run["report"]["wrapped_in"] == ("DeepSpeedEngine" if deepspeed else run["report"]["wrapped_in"])
+        logged, expected = run["report"]["logged"], reference["logged"]
+        assert [sorted(entry) for entry in logged] == [sorted(entry) for entry in expected]
+        for entry, expected_entry in zip(logged, expected):
+            assert entry == pytest.approx(expected_entry, rel=1e-4, abs=1e-5)
+    assert runs[0]["report"]["digest"] == runs[1]["report"]["digest"]
+    saved, initial = archetype_weights(name, out / name / "final"), archetype_weights(name, path)
+    assert_close_tensors(saved, initial, f"{engine} {name} trained weights")

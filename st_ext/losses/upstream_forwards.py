@@ -36,7 +36,7 @@ from st_ext._compat import (
     unwrapped_model,
 )
 from st_ext.losses.auto_mini_batch import AUTO, AutoMiniBatch, make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described
+from st_ext.losses.cached_loss import LossStep, Reps, described
 from st_ext.losses.gradcache import Features, gradcache_forward
 from st_ext.losses.loss_descriptions import upstream_description
 
@@ -45,7 +45,8 @@ from st_ext.losses.loss_descriptions import upstream_description
 class EngineForward:
     """How a trainer forwards ``loss`` on st_ext's engine: ``forward(features, labels, **keywords)``, where
     ``keywords`` are the trainer inputs named in ``trainer_keywords`` (CrossEncoder: prompt and task);
-    ``auto`` keeps ``mini_batch_size="auto"``'s choice across steps."""
+    ``auto`` keeps ``mini_batch_size="auto"``'s choice across steps. Each call describes the loss anew: the
+    trainer swaps the engine's wrapper (DDP, DeepSpeed) in as its model after the first."""
 
     loss: nn.Module
     forward: Callable[..., Tensor | dict[str, Tensor]]
@@ -68,19 +69,17 @@ def engine_forward(loss: Any) -> EngineForward | None:
         if _overrides(loss, multi_vector, _MULTI_VECTOR_STEPS):
             return None
         return EngineForward(loss, lambda features, labels: multi_vector_forward(loss, features, labels))
-    description = upstream_description(loss)
-    if description is None:
+    if upstream_description(loss) is None:
         return None
     auto = make_auto_mini_batch(loss.mini_batch_size, getattr(loss, "mini_batch_num_tokens", None), None)
     splade = archetype_loss_class("sparse_encoder", "CachedSpladeLoss")
     if splade is not None and isinstance(loss, splade):
-        # Its loss reads no mini-batch size, and records its terms on the instance it runs on: this one.
-        description = replace(described(loss, lambda *step_settings: LossStep(lambda: loss.calculate_loss)), auto=auto)
-        return EngineForward(
-            loss, lambda features, labels: splade_forward(loss, description, features, labels), auto=auto
-        )
-    description = replace(description, auto=auto)
-    return EngineForward(loss, lambda features, labels: gradcache_forward(description, features, labels), auto=auto)
+        return EngineForward(loss, lambda features, labels: splade_forward(loss, auto, features, labels), auto=auto)
+
+    def forward(features: list[Features], labels: Tensor | None) -> Tensor:
+        return gradcache_forward(replace(upstream_description(loss), auto=auto), features, labels)
+
+    return EngineForward(loss, forward, auto=auto)
 
 
 #: The steps of upstream's own engine in these classes: a subclass that overrides one runs its own forward.
@@ -110,11 +109,13 @@ def refusal(loss: Any) -> str | None:
 
 
 def splade_forward(
-    loss: nn.Module, description: CachedLoss, sentence_features: list[Features], labels: Tensor | None
+    loss: nn.Module, auto: AutoMiniBatch | None, sentence_features: list[Features], labels: Tensor | None
 ) -> dict[str, Tensor]:
     """``CachedSpladeLoss``'s value on st_ext's engine, as its forward returns it: each term of the loss, the
-    first adjusted so that the terms sum to the engine's total, which alone carries the gradient."""
-    total = gradcache_forward(description, sentence_features, labels)
+    first adjusted so that the terms sum to the engine's total, which alone carries the gradient. Its loss
+    reads no mini-batch size and records its terms on the instance it runs on: this one."""
+    description = described(loss, lambda *step_settings: LossStep(lambda: loss.calculate_loss))
+    total = gradcache_forward(replace(description, auto=auto), sentence_features, labels)
     values = splade_component_values(loss)
     first = next(iter(values))
     components = {key: torch.tensor(value, device=total.device) for key, value in values.items()}
