@@ -60,6 +60,15 @@ DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS = Version(torch.__version__).release >= (2,
 #: transformers 5 renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*`` (the old names warn that
 #: they "will be removed in v6") and defaults ``use_reentrant`` to False; transformers 4 has only the old names.
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+#: What the installed transformers' checkpointing switch takes besides the ``torch.utils.checkpoint`` arguments
+#: (transformers 5.24: ``every_n_layers``, ``offload``); a Trainer takes them in ``gradient_checkpointing_kwargs``.
+HF_CHECKPOINTING_OPTIONS = frozenset(
+    inspect.signature(
+        getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+        or transformers.PreTrainedModel.gradient_checkpointing_enable
+    ).parameters
+) - {"self", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "kwargs"}
+TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 #: The first sentence-transformers release of each archetype beyond SentenceTransformer and CrossEncoder.
 ARCHETYPE_SINCE = {"SparseEncoder": Version("5.0.0"), "MultiVectorEncoder": Version("6.0.0")}

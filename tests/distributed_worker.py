@@ -43,6 +43,7 @@ import json
 import os
 import random
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -868,9 +869,12 @@ def archetype_evaluator(archetype: str, queries: list[str], documents: list[str]
     )
 
 
-def train_archetype(name: str, model_dirs: dict[str, Path], output_dir: Path, **engine_settings):
+def train_archetype(
+    name: str, model_dirs: dict[str, Path], output_dir: Path, *, eval_loss: bool = True, **engine_settings
+):
     """``archetype_losses.CASES[name]``: upstream's cached loss object, trained by st_ext's trainer of its
-    archetype with ``engine_settings``; the trained model is saved in ``output_dir/final``."""
+    archetype with ``engine_settings``, and evaluated after each step (the eval loss only with ``eval_loss``);
+    the trained model is saved in ``output_dir/final``."""
     from archetype_losses import CASES, case_dataset, case_loss, case_model
 
     import st_ext
@@ -880,18 +884,32 @@ def train_archetype(name: str, model_dirs: dict[str, Path], output_dir: Path, **
     evaluation = case_dataset(name, rows=8, seed=3)
     columns = list(evaluation.column_names)
     settings = {**ARCHETYPE_TRAINER_SETTINGS, **engine_settings}
+    evaluator = archetype_evaluator(case.archetype, evaluation[columns[0]], evaluation[columns[1]])
+    if evaluator is None and not eval_loss:
+        settings["eval_strategy"] = "no"
     args = getattr(st_ext, f"{case.archetype}TrainingArguments")(output_dir=str(output_dir), **settings)
     trainer = getattr(st_ext, f"{case.archetype}Trainer")(
         model=model,
         args=args,
         train_dataset=case_dataset(name),
-        eval_dataset=evaluation,
+        eval_dataset=evaluation if eval_loss else None,
         loss=case_loss(name, model),
-        evaluator=archetype_evaluator(case.archetype, evaluation[columns[0]], evaluation[columns[1]]),
+        evaluator=evaluator,
     )
     trainer.train()
-    trainer.save_model(str(output_dir / "final"))
+    try:
+        trainer.save_model(str(output_dir / "final"))
+    except RuntimeError as error:
+        # Upstream's Dense module saves with safetensors, which refuses a weight that is a view into ZeRO 1/2's
+        # flat parameter buffer ("None is covering the entire storage"); the weights are whole on every rank.
+        if "covering the entire storage" not in str(error):
+            raise
+        torch.save({key: value.detach().clone() for key, value in model.named_parameters()}, output_dir / UNSAVED)
     return trainer
+
+
+#: Where :func:`train_archetype` puts the trained weights when upstream cannot save the model.
+UNSAVED = "weights-upstream-could-not-save.pt"
 
 
 def archetype_report(trainer) -> dict:
@@ -915,6 +933,13 @@ def archetype_report(trainer) -> dict:
     }
 
 
+def archetype_eval_loss(engine: str) -> bool:
+    """Whether the runs under ``engine`` evaluate the loss. Not under DeepSpeed on CPU ranks: accelerate counts
+    one process there (see :func:`run_deepspeed_training`) while its gather of the eval losses spans the
+    engine's two ("ProcessGroupGloo::allgather: invalid output tensor list"); on accelerators it counts both."""
+    return not engine.startswith("zero")
+
+
 def run_archetype_engines(model_dirs: dict[str, Path], out_dir: Path, engine: str, names: list[str]) -> None:
     """Each case through st_ext's trainer under ``engine``; DeepSpeed's global state is released between
     cases, so that a ZeRO-3 config does not partition the next case's model while it loads."""
@@ -927,9 +952,12 @@ def run_archetype_engines(model_dirs: dict[str, Path], out_dir: Path, engine: st
     reports = {}
     for name in names:
         try:
-            reports[name] = {"report": archetype_report(train_archetype(name, model_dirs, out_dir / name, **settings))}
-        except (RuntimeError, ValueError) as error:
-            reports[name] = {"report": None, "error": f"{type(error).__name__}: {error}"}
+            trainer = train_archetype(
+                name, model_dirs, out_dir / name, eval_loss=archetype_eval_loss(engine), **settings
+            )
+            reports[name] = {"report": archetype_report(trainer)}
+        except (RuntimeError, ValueError, TypeError) as error:
+            reports[name] = {"report": None, "error": "".join(traceback.format_exception(error)[-14:])}
         if engine.startswith("zero"):
             unset_hf_deepspeed_config()
             AcceleratorState._reset_state(reset_partial_state=False)
