@@ -68,8 +68,13 @@ def test_cached_loss_under_each_checkpointing_option_gives_the_uncached_gradient
     model = sentence_transformer_from(deep_dir)
     checkpoint_kwargs, extra = OPTIONS[name]
     model.gradient_checkpointing_enable(checkpoint_kwargs, **extra)
-    flags = [getattr(m, "gradient_checkpointing", None) for m in model.modules() if type(m).__name__ == "BertLayer"]
-    assert flags == ([True, False] * 3 if extra.get("every_n_layers") == 2 else [True] * 6)
+    if extra.get("every_n_layers") == 2:
+        flags = [
+            getattr(m, "gradient_checkpointing", None) for m in model.modules() if type(m).__name__ == "BertLayer"
+        ]
+        assert flags == [True, False] * 3
+    else:  # transformers 4 flags the encoder, 5 each layer
+        assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     grads = step_grads(model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2))
     assert grads.keys() == expected.keys()
     for key, value in expected.items():
