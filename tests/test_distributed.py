@@ -576,6 +576,11 @@ def test_every_archetypes_upstream_cached_loss_trains_and_evaluates_as_one_proce
         assert run["report"]["engine_forwards"] == 1, "st_ext's trainer did not forward the loss on its engine"
         assert run["report"]["global_step"] == 2
     deepspeed = engine.startswith("zero")
+    if not deepspeed and not TRAINER_ARGUMENTS_GIVE_FSDP2:
+        pytest.skip(
+            "transformers 4's gradient accumulation sums the micro-batch losses (it logs twice their mean), so one "
+            "process accumulating two batches is not the DDP average; test_ddp_step_matches_single_process covers 4.x"
+        )
     path, reference = archetype_references[name, 1 if deepspeed else 2]
     for run in runs:
         assert run["report"]["wrapped_in"] == ("DeepSpeedEngine" if deepspeed else run["report"]["wrapped_in"])
