@@ -60,6 +60,15 @@ DDP_NO_SYNC_TRACKS_UNUSED_PARAMETERS = Version(torch.__version__).release >= (2,
 #: transformers 5 renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*`` (the old names warn that
 #: they "will be removed in v6") and defaults ``use_reentrant`` to False; transformers 4 has only the old names.
 HF_HAS_ACTIVATION_CHECKPOINTING = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+#: What the installed transformers' checkpointing switch takes besides the ``torch.utils.checkpoint`` arguments
+#: (transformers 5.24: ``every_n_layers``, ``offload``); a Trainer takes them in ``gradient_checkpointing_kwargs``.
+HF_CHECKPOINTING_OPTIONS = frozenset(
+    inspect.signature(
+        getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+        or transformers.PreTrainedModel.gradient_checkpointing_enable
+    ).parameters
+) - {"self", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "kwargs"}
+TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 #: The first sentence-transformers release of each archetype beyond SentenceTransformer and CrossEncoder.
 ARCHETYPE_SINCE = {"SparseEncoder": Version("5.0.0"), "MultiVectorEncoder": Version("6.0.0")}
@@ -167,6 +176,9 @@ def is_gradient_caching(loss: Any) -> bool:
     )
     if isinstance(loss, tuple(filter(None, map(upstream_loss_class, names)))):
         return True
+    cross_encoder = archetype_loss_class("cross_encoder", "CachedMultipleNegativesRankingLoss")
+    if cross_encoder is not None and isinstance(loss, cross_encoder):
+        return True
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
 
@@ -191,6 +203,28 @@ def ranking_directions(loss: Any) -> tuple[str, ...] | None:
     option (4.x scores queries against documents only)."""
     directions = getattr(loss, "directions", None)
     return None if directions is None else tuple(directions)
+
+
+def archetype_loss_class(archetype: str, name: str) -> type | None:
+    """Upstream's loss class ``name`` of ``archetype`` (``"cross_encoder"``, ``"sparse_encoder"``,
+    ``"multi_vector_encoder"``), or None where the installed release lacks either."""
+    try:
+        module = importlib.import_module(f"sentence_transformers.{archetype}.losses")
+    except ImportError:
+        return None
+    return getattr(module, name, None)
+
+
+def cross_encoder_scores_features(loss_class: type) -> bool:
+    """Whether CrossEncoder's cached ranking loss tokenizes its pairs with the model's ``preprocess`` (with a
+    prompt and task) and reads ``model(features)["scores"]`` (6.x); 4.x's calls the Hugging Face classifier
+    inside the loss, on raw pairs."""
+    return "prompt" in inspect.signature(loss_class.predict_minibatch).parameters
+
+
+def splade_component_values(loss: Any) -> dict[str, float]:
+    """What ``CachedSpladeLoss.calculate_loss`` recorded of each term of its last loss, for the trainer's logs."""
+    return dict(getattr(loss, "_component_values", {}))
 
 
 def upstream_cached_loss_mixin() -> type | None:

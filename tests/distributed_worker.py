@@ -46,6 +46,7 @@ import json
 import os
 import random
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -934,6 +935,141 @@ def run_guide_loaded_last(model_dir: Path, guide_dir: Path, out_dir: Path, froze
 #: The losses each parity scenario runs: upstream's uncached loss (the reference), st_ext's cached loss
 #: and upstream's own cached loss, both at ``MINI_BATCH_SIZE`` (several mini-batches per column).
 PARITY_KINDS = ("plain", "st_ext", "st_ext_partial", "upstream")
+
+
+#: Where ``archetype-engines`` trains every archetype's upstream cached loss: DDP, FSDP2 (by the example
+#: accelerate config, whose environment the launching test sets), and each ZeRO stage.
+ARCHETYPE_ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+#: Two steps of 8 rows per rank, evaluated after each (an eval loss over 8 rows in batches of 4, and for the
+#: SentenceTransformer an information-retrieval evaluator), so that step 2 follows an evaluation.
+ARCHETYPE_TRAINER_SETTINGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=ROWS_PER_RANK,
+    per_device_eval_batch_size=4,
+    eval_strategy="steps",
+    eval_steps=1,
+    logging_steps=1,
+    ddp_backend="gloo",
+    use_cpu=True,
+    optim="sgd",
+    learning_rate=0.5,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+)
+
+
+def archetype_evaluator(archetype: str, queries: list[str], documents: list[str]):
+    """For the SentenceTransformer, upstream's information-retrieval evaluator over the eval rows."""
+    if archetype != "SentenceTransformer":
+        return None
+    from st_ext._compat import information_retrieval_evaluator
+
+    return information_retrieval_evaluator()(
+        queries={str(i): text for i, text in enumerate(queries)},
+        corpus={str(i): text for i, text in enumerate(documents)},
+        relevant_docs={str(i): {str(i)} for i in range(len(queries))},
+        name="ir",
+        show_progress_bar=False,
+    )
+
+
+def train_archetype(
+    name: str, model_dirs: dict[str, Path], output_dir: Path, *, eval_loss: bool = True, **engine_settings
+):
+    """``archetype_losses.CASES[name]``: upstream's cached loss object, trained by st_ext's trainer of its
+    archetype with ``engine_settings``, and evaluated after each step (the eval loss only with ``eval_loss``);
+    the trained model is saved in ``output_dir/final``."""
+    from archetype_losses import CASES, case_dataset, case_loss, case_model
+
+    import st_ext
+
+    case = CASES[name]
+    model = case_model(name, model_dirs)
+    evaluation = case_dataset(name, rows=8, seed=3)
+    columns = list(evaluation.column_names)
+    settings = {**ARCHETYPE_TRAINER_SETTINGS, **engine_settings}
+    evaluator = archetype_evaluator(case.archetype, evaluation[columns[0]], evaluation[columns[1]])
+    if evaluator is None and not eval_loss:
+        settings["eval_strategy"] = "no"
+    args = getattr(st_ext, f"{case.archetype}TrainingArguments")(output_dir=str(output_dir), **settings)
+    trainer = getattr(st_ext, f"{case.archetype}Trainer")(
+        model=model,
+        args=args,
+        train_dataset=case_dataset(name),
+        eval_dataset=evaluation if eval_loss else None,
+        loss=case_loss(name, model),
+        evaluator=evaluator,
+    )
+    trainer.train()
+    try:
+        trainer.save_model(str(output_dir / "final"))
+    except RuntimeError as error:
+        # Upstream's Dense module saves with safetensors, which refuses a weight that is a view into ZeRO 1/2's
+        # flat parameter buffer ("None is covering the entire storage"); the weights are whole on every rank.
+        if "covering the entire storage" not in str(error):
+            raise
+        torch.save({key: value.detach().clone() for key, value in model.named_parameters()}, output_dir / UNSAVED)
+    return trainer
+
+
+#: Where :func:`train_archetype` puts the trained weights when upstream cannot save the model.
+UNSAVED = "weights-upstream-could-not-save.pt"
+
+
+def archetype_report(trainer) -> dict:
+    """What the trainer did (upstream's models lack the checkpointing flag :func:`trainer_report` reads), and
+    every logged training loss and evaluation result."""
+    logged = [
+        {
+            key: value
+            for key, value in entry.items()
+            if key == "loss" or (key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")))
+        }
+        for entry in trainer.state.log_history
+    ]
+    return {
+        "world_size": trainer.args.world_size,
+        "wrapped_in": type(trainer.model_wrapped).__name__,
+        "global_step": trainer.state.global_step,
+        "digest": parameter_digest(trainer.model),
+        "logged": [entry for entry in logged if entry],
+        "engine_forwards": len(trainer.engine_forwards),
+    }
+
+
+def archetype_eval_loss(engine: str) -> bool:
+    """Whether the runs under ``engine`` evaluate the loss. Not under DeepSpeed on CPU ranks: accelerate counts
+    one process there (see :func:`run_deepspeed_training`) while its gather of the eval losses spans the
+    engine's two ("ProcessGroupGloo::allgather: invalid output tensor list"); on accelerators it counts both."""
+    return not engine.startswith("zero")
+
+
+def run_archetype_engines(model_dirs: dict[str, Path], out_dir: Path, engine: str, names: list[str]) -> None:
+    """Each case through st_ext's trainer under ``engine``; DeepSpeed's global state is released between
+    cases, so that a ZeRO-3 config does not partition the next case's model while it loads."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if engine == "fsdp2":
+        let_accelerate_shard_on_cpu()
+    settings = DEEPSPEED_SETTINGS[int(engine[-1])] if engine.startswith("zero") else {}
+    reports = {}
+    for name in names:
+        try:
+            trainer = train_archetype(
+                name, model_dirs, out_dir / name, eval_loss=archetype_eval_loss(engine), **settings
+            )
+            reports[name] = {"report": archetype_report(trainer)}
+        except (RuntimeError, ValueError, TypeError) as error:
+            reports[name] = {"report": None, "error": "".join(traceback.format_exception(error)[-14:])}
+        if engine.startswith("zero"):
+            unset_hf_deepspeed_config()
+            AcceleratorState._reset_state(reset_partial_state=False)
+    save_report_and_close(out_dir, f"archetypes-{engine}", reports)
+
+
 #: Marks the column that :class:`DetachedColumn` embeds without a graph: a tensor with a row each, so every
 #: engine (upstream 4.1's slices every value) cuts it into mini-batches.
 FROZEN_COLUMN_KEY = "frozen_column"
@@ -1080,6 +1216,11 @@ def main() -> None:
     parity_parser = sub.add_parser("engine-parity")
     parity_parser.add_argument("--model", type=Path, required=True)
     parity_parser.add_argument("--out", type=Path, required=True)
+    archetypes_parser = sub.add_parser("archetype-engines")
+    archetypes_parser.add_argument("--models", type=Path, required=True)
+    archetypes_parser.add_argument("--out", type=Path, required=True)
+    archetypes_parser.add_argument("--engine", choices=ARCHETYPE_ENGINES, required=True)
+    archetypes_parser.add_argument("cases", nargs="+")
     train_parser = sub.add_parser("train")
     train_parser.add_argument("--model", type=Path, required=True)
     train_parser.add_argument("--classifier", type=Path, required=True)
@@ -1095,6 +1236,9 @@ def main() -> None:
         run_fsdp2_training(args.model, args.out, args.route)
     elif args.mode == "engine-parity":
         run_engine_parity(args.model, args.out)
+    elif args.mode == "archetype-engines":
+        model_dirs = {path.name: path for path in args.models.iterdir()}
+        run_archetype_engines(model_dirs, args.out, args.engine, args.cases)
     elif args.mode == "deepspeed-guide":
         run_guide_loaded_last(args.model, args.guide, args.out, args.frozen_encoders)
     else:

@@ -80,10 +80,46 @@ def test_zero3_without_gathering_on_save_is_refused(model, tmp_path):
     assert trainer.args.hf_deepspeed_config.is_zero3()
 
 
-def test_upstream_cached_loss_is_refused_naming_st_exts(model, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_upstream_cached_loss_constructs_on_st_exts_engine(stage, model, tmp_path):
+    """The trainer forwards upstream's own loss object on st_ext's engine (tests/test_upstream_forwards.py)."""
     upstream = st_losses().CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
-    with pytest.raises(ValueError, match=r"use st_ext\.losses\.CachedMultipleNegativesRankingLoss"):
-        build_trainer(model, upstream, zero_config(1), tmp_path)
+    zero = {GATHER_ON_SAVE: True} if stage == 3 else {}
+    trainer = build_trainer(model, upstream, zero_config(stage, **zero), tmp_path)
+    assert trainer.engine_forwards[id(upstream)].loss is upstream
+
+
+def test_upstream_cached_loss_inside_upstreams_wrapper_is_refused_naming_st_exts(model, tmp_path):
+    """Inside upstream's MatryoshkaLoss the cached loss is the wrapper's to run, on upstream's engine."""
+    inner = st_losses().CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+    wrapped = st_losses().MatryoshkaLoss(model, inner, [32, 16])
+    with pytest.raises(ValueError, match=r"use st_ext\.losses\.(MatryoshkaLoss|CachedMultipleNegativesRankingLoss)\."):
+        build_trainer(model, wrapped, zero_config(1), tmp_path)
+
+
+def test_cross_encoder_cached_loss_under_deepspeed(tmp_path):
+    """Constructs where st_ext's engine forwards it (sentence-transformers 6); refused in one line before."""
+    from archetype_losses import CASES, case_dataset, case_loss, case_model, save_case_models
+
+    from st_ext import CrossEncoderTrainer, CrossEncoderTrainingArguments
+
+    model = case_model("cross_encoder_cmnrl", save_case_models(tmp_path / "models"))
+    loss = case_loss("cross_encoder_cmnrl", model)
+    args = CrossEncoderTrainingArguments(
+        output_dir=str(tmp_path), deepspeed=zero_config(2), report_to="none", max_steps=1
+    )
+
+    def build():
+        return CrossEncoderTrainer(
+            model=model, args=args, train_dataset=case_dataset("cross_encoder_cmnrl"), loss=loss
+        )
+
+    if CASES["cross_encoder_cmnrl"].missing() is None:
+        assert build().engine_forwards[id(loss)].loss is loss
+        return
+    with pytest.raises(ValueError, match="from sentence-transformers 6 on for a CrossEncoder") as error:
+        build()
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("stage, overlap_comm", [(2, False), (3, False), (1, True)])

@@ -4,9 +4,11 @@ st_ext's cached losses train under every ZeRO stage, holding the reduction until
 (:mod:`st_ext.gradient_sync`) through a parameter flag DeepSpeed reads from 0.17 on. What cannot work
 is refused here, in one line that says what does:
 
-* sentence-transformers' own cached losses return a loss without a ``grad_fn`` (DeepSpeed's
-  ``engine.backward`` refuses it) and reduce once per mini-batch ("Gradient computed twice for this
-  partition" from ZeRO stage 2);
+* sentence-transformers' own cached losses, where st_ext's engine does not forward them
+  (:mod:`st_ext.training.engine_forwards`: inside upstream's ``MatryoshkaLoss``, a subclass that overrides
+  a step of upstream's engine, CrossEncoder's before sentence-transformers 6), return a loss without a
+  ``grad_fn`` (DeepSpeed's ``engine.backward`` refuses it) and reduce once per mini-batch ("Gradient
+  computed twice for this partition" from ZeRO stage 2);
 * before DeepSpeed 0.17 nothing holds the reduction back, so only ZeRO stage 1 without
   ``overlap_comm`` (which reduces in ``step()``, not from hooks) trains a cached loss;
 * at ZeRO stage 3 without ``stage3_gather_16bit_weights_on_model_save`` the weights are never gathered
@@ -27,8 +29,10 @@ from st_ext._compat import (
     deepspeed_version,
     is_gradient_caching,
     training_deepspeed_config,
+    upstream_loss_class,
 )
-from st_ext.training.frozen_encoders import loss_modules
+from st_ext.losses.upstream_forwards import engine_forward
+from st_ext.training.frozen_encoders import each_loss, loss_modules
 
 
 def check_deepspeed_setup(args: Any, loss: Any) -> None:
@@ -46,14 +50,18 @@ def check_deepspeed_setup(args: Any, loss: Any) -> None:
         return
     stage = int(config.get_value("zero_optimization.stage", 0) or 0)
     cached = [module for module in loss_modules(loss) if is_gradient_caching(module)]
+    on_engine = {id(module) for item in each_loss(loss) if engine_forward(item) for module in item.modules()}
     for module in cached:
-        if not _from_st_ext(module):
+        if id(module) not in on_engine and not _from_st_ext(module):
             name = type(module).__name__
             instead = (
-                f"use st_ext.losses.{name}" if name in losses.ST_EXT_LOSSES else "st_ext has no replacement for it"
+                f"use st_ext.losses.{name}"
+                if name in losses.ST_EXT_LOSSES and isinstance(module, upstream_loss_class(name) or ())
+                else "st_ext's engine forwards it as the trainer's loss itself, from sentence-transformers 6 on "
+                "for a CrossEncoder, without a subclass override of its engine's steps"
             )
             raise ValueError(
-                f"sentence-transformers' {name} cannot train under DeepSpeed (its loss has no grad_fn for "
+                f"sentence-transformers' {name} cannot train under DeepSpeed here (its loss has no grad_fn for "
                 f"engine.backward, and from ZeRO stage 2 each mini-batch reduces again); {instead}."
             )
     if cached and stage >= 1:

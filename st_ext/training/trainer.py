@@ -20,13 +20,14 @@ from torch import nn
 
 from st_ext import _compat
 from st_ext.gradient_sync import sharded_by_fsdp2
-from st_ext.losses.auto_mini_batch import auto_mini_batch_of
+from st_ext.losses.auto_mini_batch import AutoMiniBatch, auto_mini_batch_of
 from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.scoped_entries import entries_set
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
+from st_ext.training.engine_forwards import compute_loss_on_engine, engine_forwards, selected_loss
 from st_ext.training.frozen_encoders import (
     apply_frozen_encoder_mode,
     each_loss,
@@ -55,14 +56,51 @@ def lend_checkpointing_methods(model: nn.Module | None) -> contextlib.AbstractCo
 
 class CheckpointingTrainerMixin:
     """Checkpointing switches on whatever model the trainer holds, the DDP work-arounds of
-    :mod:`st_ext.training.ddp`, and the DeepSpeed checks of :mod:`st_ext.training.deepspeed`."""
+    :mod:`st_ext.training.ddp`, the DeepSpeed checks of :mod:`st_ext.training.deepspeed`, sentence-transformers'
+    own cached losses forwarded by st_ext's engine (:mod:`st_ext.training.engine_forwards`), and
+    ``mini_batch_size="auto"``'s optimizer and log."""
 
     def __init__(self, *args, **kwargs):
         settings = kwargs.get("args", args[1] if len(args) > 1 else None)
         with keep_cpu_flag(settings):
             super().__init__(*args, **kwargs)
         serve_partitioned_encoders(self.loss, self.model)
+        self.engine_forwards = engine_forwards(self.loss)
         check_deepspeed_setup(self.args, self.loss)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Upstream's ``compute_loss``; one of sentence-transformers' cached losses is forwarded by st_ext's engine."""
+        loss = selected_loss(self.loss, inputs)
+        forward = self.engine_forwards.get(id(loss))
+        if forward is None or forward.loss is not loss:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return compute_loss_on_engine(self, forward, model, inputs, return_outputs)
+
+    def auto_mini_batch(self, loss) -> AutoMiniBatch | None:
+        """The ``mini_batch_size="auto"`` state of one of the trainer's losses, whichever engine forward holds it."""
+        forward = self.engine_forwards.get(id(loss))
+        return forward.auto if forward is not None and forward.loss is loss else auto_mini_batch_of(loss)
+
+    def create_optimizer(self, *args, **kwargs):
+        """Upstream's ``create_optimizer``; a loss with ``mini_batch_size="auto"`` is told the optimizer, so
+        that its memory budget holds the whole step, the optimizer's update included."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        for loss in each_loss(self.loss):
+            auto = self.auto_mini_batch(loss)
+            if auto is not None:
+                auto.optimizer = optimizer
+        return optimizer
+
+    def log(self, logs, *args, **kwargs):
+        """Upstream's ``log``; a size ``mini_batch_size="auto"`` chose since the last log joins the logged
+        values, once per choice."""
+        logged = self.__dict__.setdefault("_logged_auto_choices", {})
+        for name, loss in named_losses(self.loss):
+            auto = self.auto_mini_batch(loss)
+            if auto is not None and auto.choice is not None and logged.get(name) is not auto.choice:
+                logs["mini_batch_size" + (f"/{name}" if name else "")] = auto.choice.size
+                logged[name] = auto.choice
+        return super().log(logs, *args, **kwargs)
 
     def train(self, *args, **kwargs):
         with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
@@ -148,27 +186,6 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
         """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
         restore_memories_for_resume(self, resume_from_checkpoint, allow_empty=self.resume_empty_memory)
         return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def create_optimizer(self, *args, **kwargs):
-        """Upstream's ``create_optimizer``; a loss with ``mini_batch_size="auto"`` is told the optimizer, so
-        that its memory budget holds the whole step, the optimizer's update included."""
-        optimizer = super().create_optimizer(*args, **kwargs)
-        for loss in each_loss(self.loss):
-            auto = auto_mini_batch_of(loss)
-            if auto is not None:
-                auto.optimizer = optimizer
-        return optimizer
-
-    def log(self, logs, *args, **kwargs):
-        """Upstream's ``log``; a size ``mini_batch_size="auto"`` chose since the last log joins the logged
-        values, once per choice."""
-        logged = self.__dict__.setdefault("_logged_auto_choices", {})
-        for name, loss in named_losses(self.loss):
-            auto = auto_mini_batch_of(loss)
-            if auto is not None and auto.choice is not None and logged.get(name) is not auto.choice:
-                logs["mini_batch_size" + (f"/{name}" if name else "")] = auto.choice.size
-                logged[name] = auto.choice
-        return super().log(logs, *args, **kwargs)
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Upstream's ``save_model``; inside a checkpoint, the cross-batch memories are written with the model,
