@@ -9,7 +9,7 @@ trace (gradients already in ``.grad`` are put back), and an out-of-memory error 
 budget. Where the model can checkpoint, larger sizes are measured again with checkpointing on, and
 taken when the measured times say the step is faster. What the chosen size leaves of the budget
 holds kept graphs (partial caching: a kept mini-batch is not embedded a second time); what one costs
-is measured too, as the peak of two graphs alive together less that of one. docs/speed.md says the rest.
+is measured too, as the peak of two half-size graphs alive together less that of one, scaled. docs/speed.md says the rest.
 """
 
 from __future__ import annotations
@@ -257,14 +257,21 @@ class _Series:
         return sum(-(-layout.rows // size) for layout in self.layouts)
 
     def kept_graph_bytes(self, size: int) -> int | None:
-        """What one more graph of ``size`` rows alive until the backward adds to the peak: two graphs'
-        forward and backward measured against one's (None: out of memory)."""
-        rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
+        """What one more graph of ``size`` rows alive until the backward adds to the peak, measured on half as
+        many rows (two graphs alive together against one) and scaled: two half-size graphs hold no more than
+        one graph of ``size``, so measuring stays within the budget that size fits (None: size 1, or out of
+        memory)."""
+        half = size // 2
+        if half == 0:
+            return None
+        rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:half])
+        features = minibatch_features(self.sentence_features, self.layouts, rows)
         with checkpointed(self.model, self.checkpointed):
-            two, _, _ = _probe_peak(
-                self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, 2, graphs=2
-            )
-        return None if two is None else max(two - self.graphs[size], 1)
+            one, _, _ = _probe_peak(self.model, features, self.device, 2)
+            two, _, _ = _probe_peak(self.model, features, self.device, 2, graphs=2)
+        if one is None or two is None:
+            return None
+        return max((two - one) * size // half, 1)
 
     def graphs_kept(self, size: int, kept_graph_bytes: int | None) -> int:
         """How many of the step's graphs at ``size`` the budget holds beside its backward, at most all but one
