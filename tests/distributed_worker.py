@@ -163,19 +163,10 @@ def cached_gist(gathered: bool, **options) -> Callable[[nn.Module, nn.Module], n
 
 def self_guided_gist(gathered: bool) -> Callable[[nn.Module, nn.Module], nn.Module]:
     """The model as its own guide; gathered, its guide is every rank's candidates, detached."""
+    guided = cached_gist(gathered, margin=-0.05)
 
     def build(model: nn.Module, guide: nn.Module) -> nn.Module:
-        from st_ext import losses
-
-        return losses.CachedGISTEmbedLoss(
-            model,
-            model,
-            temperature=0.05,
-            mini_batch_size=MINI_BATCH_SIZE,
-            margin=-0.05,
-            contrast_anchors=False,
-            gather_across_devices=gathered,
-        )
+        return guided(model, model)
 
     return build
 
