@@ -9,7 +9,8 @@ trace (gradients already in ``.grad`` are put back), and an out-of-memory error 
 budget. Where the model can checkpoint, larger sizes are measured again with checkpointing on, and
 taken when the measured times say the step is faster. What the chosen size leaves of the budget
 holds kept graphs (partial caching: a kept mini-batch is not embedded a second time); what one costs
-is measured too, as the peak of two half-size graphs alive together less that of one, scaled. docs/speed.md says the rest.
+is measured too, as the peak of two half-size graphs back-propagated together less that of one replayed
+graph, scaled. docs/speed.md says the rest.
 """
 
 from __future__ import annotations
@@ -160,10 +161,13 @@ class AutoMiniBatch:
             with_checkpointing = _Series(
                 model, sentence_features, layouts, rows, budget, device, checkpointed=True, update_bytes=update
             )
+            # It starts at the size that fits without checkpointing, so that each larger size is extrapolated
+            # (from that point, with the plain series' slope) before it is probed: a probe passing the budget
+            # would take the step that measures over it.
             with_checkpointing.slope_hint = series.slope()
-            larger = with_checkpointing.largest_fitting(plain * 2)
+            larger = with_checkpointing.largest_fitting(plain)
             choice.tried.update({f"{size}+ckpt": peak for size, peak in with_checkpointing.peaks.items()})
-            if larger and with_checkpointing.step_seconds(larger) < series.step_seconds(plain):
+            if larger > plain and with_checkpointing.step_seconds(larger) < series.step_seconds(plain):
                 choice.size, choice.checkpointing = larger, True
                 series = with_checkpointing
         choice.minibatches = series.minibatches(choice.size)
@@ -258,9 +262,11 @@ class _Series:
 
     def kept_graph_bytes(self, size: int) -> int | None:
         """What one more graph of ``size`` rows alive until the backward adds to the peak, measured on half as
-        many rows (two graphs alive together against one) and scaled: two half-size graphs hold no more than
-        one graph of ``size``, so measuring stays within the budget that size fits (None: size 1, or out of
-        memory)."""
+        many rows and scaled: the kept graphs' backward (two half-size graphs alive together, back-propagated
+        once from the gradients the step starts with) against a replayed one's (one graph, the second of two
+        passes), and at least the peak of a forward pass that keeps its graph. Two half-size graphs hold no
+        more than one graph of ``size``, so measuring stays within the budget that size fits (None: size 1, or
+        out of memory)."""
         half = size // 2
         if half == 0:
             return None
@@ -268,14 +274,20 @@ class _Series:
         features = minibatch_features(self.sentence_features, self.layouts, rows)
         with checkpointed(self.model, self.checkpointed):
             one, _, _ = _probe_peak(self.model, features, self.device, 2)
-            two, _, _ = _probe_peak(self.model, features, self.device, 2, graphs=2)
-        if one is None or two is None:
+            two, _, _ = _probe_peak(self.model, features, self.device, 1, graphs=2)
+            held, _, _ = _probe_peak(self.model, features, self.device, 1, backward=False)
+        if one is None or two is None or held is None:
             return None
-        return max((two - one) * size // half, 1)
+        # Where the parameters' gradients set the peak, a second graph hides under it (two - one is about 0)
+        # until enough of them are alive together: each is charged at least what its forward holds.
+        return max(two - one, held, 1) * size // half
 
     def graphs_kept(self, size: int, kept_graph_bytes: int | None) -> int:
         """How many of the step's graphs at ``size`` the budget holds beside its backward, at most all but one
-        (were every one kept, the batch would be one pass, which did not fit)."""
+        (were every one kept, the batch would be one pass, which did not fit). The first is charged too: it is
+        alive while the other mini-batches are embedded without a graph, and those passes' activations come on
+        top of it (7% of the step's peak with two mini-batches of a tiny BERT; next to nothing with eight of
+        all-MiniLM-L6-v2, whose peak the parameters' gradients set)."""
         if kept_graph_bytes is None:
             return 0
         spare = self.budget - self._backward_peak(self.graphs[size], self.dim, size)
@@ -351,11 +363,12 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
 
 
 def _probe_peak(
-    model: nn.Module, features: Features, device: torch.device, passes: int, graphs: int = 1
+    model: nn.Module, features: Features, device: torch.device, passes: int, graphs: int = 1, backward: bool = True
 ) -> tuple[int | None, int, str]:
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
     memory), the embedding size, and the meter. With ``graphs`` above 1, each pass embeds the features that
-    many times before one backward through every graph, as kept graphs are back-propagated.
+    many times before one backward through every graph, as kept graphs are back-propagated; without
+    ``backward``, the forward passes' graphs are kept to the end of the measurement and dropped.
 
     Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients
     (unless the step starts with gradients already there), and every later one adds a fresh gradient
@@ -376,7 +389,7 @@ def _probe_peak(
             for _ in range(passes):
                 outputs = [module(features)["sentence_embedding"] for _ in range(graphs)]
                 dim = outputs[0].shape[-1]
-                if not outputs[0].requires_grad:
+                if not outputs[0].requires_grad or not backward:
                     break
                 sum(output.float().pow(2).sum() for output in outputs).backward()
                 del outputs
