@@ -124,6 +124,26 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
     assert "mini_batch_size auto -> 8 (one pass over the whole batch" in capsys.readouterr().out
 
 
+def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, monkeypatch):
+    """--kept-graphs sets the cached loss's kept_graphs: a step then embeds that many mini-batches once."""
+    from st_ext.cli import job
+
+    built = []
+    real_build = job.build_loss
+
+    def recording_build(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(job, "build_loss", recording_build)
+    args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl", "--kept-graphs", "1")
+    args[args.index("--mini-batch-size") + 1] = "2"
+    assert main(args + ["--matryoshka-dims", "32"]) == 0
+    (loss,) = built
+    assert loss.kept_graphs == 1
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["settings"]["kept_graphs"] == 1
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -158,6 +178,13 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
             ["--memory-budget-mb", "100"],
             "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto",
         ),
+        (["--kept-graphs", "-1"], "kept_graphs: -1 must be 0 or more mini-batches"),
+        (
+            ["--mini-batch-size", "auto", "--kept-graphs", "1"],
+            "kept_graphs: 'matryoshka_cached_gist' would ignore it (it applies to a cached loss with a fixed "
+            "mini_batch_size; auto chooses how many graphs to keep)",
+        ),
+        (["--loss", "mnrl", "--mini-batch-size", "8", "--kept-graphs", "1"], "'mnrl' would ignore it"),
         # The library's message names the Python arguments; the command adds their flags.
         (
             ["--mini-batch-size", "auto", "--memory-budget-mb", "0.01"],

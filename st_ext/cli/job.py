@@ -94,6 +94,11 @@ class TrainConfig:
     memory_budget_mb: float | None = _setting(
         None, "step memory budget for mini_batch_size auto; unset: 80%% of free CUDA memory, on CPU the whole batch"
     )
+    kept_graphs: int | None = _setting(
+        None,
+        "with a fixed mini_batch_size: keep the graphs of this many first mini-batches for the backward instead of "
+        "embedding them twice (faster, more memory); unset: none; auto chooses its own",
+    )
     matryoshka_dims: list[int] = _setting([384, 256, 128, 64, 32], "Matryoshka dimensions, largest first")
     guide: str | None = _setting(
         None, "guide model directory or Hub id for GIST losses; unset: the model's starting weights"
@@ -149,6 +154,8 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
         raise ConfigError(f"mini_batch_size: {config.mini_batch_size!r} must be a positive integer or 'auto'.")
     if config.memory_budget_mb is not None and config.memory_budget_mb <= 0:
         raise ConfigError(f"memory_budget_mb: {config.memory_budget_mb} must be positive.")
+    if config.kept_graphs is not None and config.kept_graphs < 0:
+        raise ConfigError(f"kept_graphs: {config.kept_graphs} must be 0 or more mini-batches.")
     if not config.matryoshka_dims or any(d <= 0 for d in config.matryoshka_dims):
         raise ConfigError(f"matryoshka_dims: {config.matryoshka_dims} must be positive integers.")
     dimension = declared_dimension(model_path)
@@ -242,6 +249,11 @@ def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
             "memory_budget_mb",
             not spec.cached or config.mini_batch_size != "auto",
             "it sizes mini_batch_size auto of a cached loss only",
+        ),
+        (
+            "kept_graphs",
+            not spec.cached or config.mini_batch_size == "auto",
+            "it applies to a cached loss with a fixed mini_batch_size; auto chooses how many graphs to keep",
         ),
     ]
     for name, is_ignored, reason in ignored:
@@ -625,6 +637,8 @@ def _build_loss(config: TrainConfig, model, model_path: str, dims: list[int]):
     sizing = {"mini_batch_size": config.mini_batch_size}
     if config.mini_batch_size == "auto":
         sizing["memory_budget_mb"] = config.memory_budget_mb
+    elif config.kept_graphs is not None:
+        sizing["kept_graphs"] = config.kept_graphs
     if not loss_spec(config.loss).guided:
         return build_loss(config.loss, model, **sizing, **matryoshka), "resident"
     guide = SentenceTransformer(config.guide or model_path, device="cpu")
