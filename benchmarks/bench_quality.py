@@ -6,9 +6,15 @@
 2. In that budget, each configuration trains a fresh copy of the model on the same rows, for the same epochs,
    with the same seeds: upstream's uncached MNRL at ``b``; upstream's ``CachedMultipleNegativesRankingLoss`` at
    ``B = 8b`` and ``32b`` (mini-batch ``b``); st_ext's ``CachedMultipleNegativesRankingLoss`` at the same ``B`` with
-   mini-batch ``b`` and with ``mini_batch_size="auto"`` (``memory_budget_mb`` = the budget); and st_ext's
-   ``MatryoshkaLoss(CachedGISTEmbedLoss)`` with its guide (the starting model, frozen) offloaded between uses.
-   Each configuration's peak is measured the same way on its ``B`` longest rows.
+   mini-batch ``b`` and with ``mini_batch_size="auto"`` (``memory_budget_mb``: the ceiling below); and st_ext's
+   ``MatryoshkaLoss(CachedGISTEmbedLoss)`` with its guide (the starting model, frozen) offloaded between uses;
+   and st_ext's ``CrossBatchMemoryLoss`` (``memory_size = B``: one earlier batch) around its cached MNRL with
+   a document queue, and, where the installed release has MNRL's ``directions`` (4.x has none), the cached MNRL
+   scoring queries too (``query_to_doc``, ``query_to_query``, ``doc_to_query``) with no memory, and with a
+   document queue and a query bank (``query_bank=True``). The auto mode's ``memory_budget_mb`` is the
+   ceiling every configuration is held to (the budget and the table's tolerance). Each configuration's peak is
+   measured the same way on its ``B`` longest rows, over two steps (a cross-batch memory's queue is full on
+   the second).
 3. Each trained model is evaluated on held-out pairs with sentence-transformers' ``InformationRetrievalEvaluator``
    (NDCG@10, MRR@10) at the full dimension and truncated ones (``truncate_dim``).
 
@@ -21,7 +27,7 @@ is the training loop's alone (the peak measurement and the evaluation excluded).
 
     python benchmarks/bench_quality.py [--small-batch 4] [--factors 8 32] [--seeds 0 1 2] [--epochs 1]
         [--train-pairs 512] [--eval-pairs 200] [--max-seq-length 32] [--hard-negatives] [--only uncached "st_ext CachedMNRL (fixed)"]
-        [--out runs/bench-quality]
+        [--device cpu] [--out runs/bench-quality]
 
 Writes ``results.json``, ``table.md`` and ``quality.png`` (quality and time against the effective batch) in ``--out``.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
@@ -50,7 +57,7 @@ from st_ext import SentenceTransformer, losses
 from st_ext._compat import embedding_dimension, preprocess, st_losses
 from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.cli.evaluation import evaluate, retrieval_evaluators
-from st_ext.losses.auto_mini_batch import BudgetTooSmallError
+from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
 from st_ext.memory import measure_peak
 
 upstream = st_losses()
@@ -70,6 +77,7 @@ class Settings:
     learning_rate: float = 5e-5
     hard_negatives: bool = False
     threads: int = 1
+    device: str = "cpu"
     families: tuple[str, ...] = ()  # unset: every configuration; else those whose family contains one of these
     dims: tuple[int, ...] = ()  # unset: the model's dimension, a third and a sixth of it
 
@@ -81,6 +89,11 @@ class Run:
     model_path: str
     budget_mib: float
     dims: tuple[int, ...]
+
+    @property
+    def ceiling_mib(self) -> float:
+        """The most a configuration may peak at and count as within the budget."""
+        return self.budget_mib * (1 + BUDGET_TOLERANCE)
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ def configurations(settings: Settings) -> list[Config]:
                 "st_ext CachedMNRL (auto)",
                 big,
                 lambda model, run: losses.CachedMultipleNegativesRankingLoss(
-                    model, mini_batch_size="auto", memory_budget_mb=run.budget_mib
+                    model, mini_batch_size="auto", memory_budget_mb=run.ceiling_mib
                 ),
                 "auto",
             ),
@@ -142,10 +155,53 @@ def configurations(settings: Settings) -> list[Config]:
                 lambda model, run: matryoshka_cached_gist(model, run, b),
                 str(b),
             ),
+            Config(
+                f"st_ext CrossBatchMemory(CachedMNRL), document queue, B={big}",
+                "st_ext CachedMNRL + document queue",
+                big,
+                lambda model, _, big=big: cross_batch_memory(model, b, big),
+                str(b),
+            ),
         ]
+        if has_directions():
+            configs += [
+                Config(
+                    f"st_ext CachedMNRL, three directions, B={big}",
+                    "st_ext CachedMNRL, three directions",
+                    big,
+                    lambda model, _: losses.CachedMultipleNegativesRankingLoss(
+                        model, mini_batch_size=b, directions=QUERY_AND_DOCUMENT_DIRECTIONS
+                    ),
+                    str(b),
+                ),
+                Config(
+                    f"st_ext CrossBatchMemory(CachedMNRL, three directions), document queue + query bank, B={big}",
+                    "st_ext CachedMNRL + query bank",
+                    big,
+                    lambda model, _, big=big: cross_batch_memory(model, b, big, query_bank=True),
+                    str(b),
+                ),
+            ]
     if settings.families:
         configs = [config for config in configs if any(part in config.family for part in settings.families)]
     return configs
+
+
+#: MNRL scoring each query against the documents, the other queries, and each document against the queries.
+QUERY_AND_DOCUMENT_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query")
+
+
+def has_directions() -> bool:
+    """Whether the installed MNRL takes ``directions`` (a query bank needs them; 4.x has none)."""
+    return "directions" in inspect.signature(upstream.MultipleNegativesRankingLoss).parameters
+
+
+def cross_batch_memory(model: nn.Module, mini_batch: int, memory_size: int, *, query_bank: bool = False) -> nn.Module:
+    """st_ext's cached MNRL under a queue of the last ``memory_size`` documents (and anchors, with a query
+    bank: then the MNRL scores the three directions, where queued anchors are candidates)."""
+    directions = {"directions": QUERY_AND_DOCUMENT_DIRECTIONS} if query_bank else {}
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch, **directions)
+    return losses.CrossBatchMemoryLoss(model, inner, memory_size=memory_size, query_bank=query_bank)
 
 
 def upstream_mnrl(model: nn.Module) -> nn.Module:
@@ -161,8 +217,8 @@ def matryoshka_cached_gist(model: nn.Module, run: Run, mini_batch: int) -> nn.Mo
     return losses.MatryoshkaLoss(model, gist, list(run.dims))
 
 
-def load_model(path: str, max_seq_length: int) -> SentenceTransformer:
-    model = SentenceTransformer(path, device="cpu")
+def load_model(path: str, max_seq_length: int, device: str) -> SentenceTransformer:
+    model = SentenceTransformer(path, device=device)
     model.max_seq_length = max_seq_length
     return model
 
@@ -210,7 +266,7 @@ def batches(rows: list[dict[str, str]], batch_size: int, seed: int) -> list[list
 
 
 def features(model: nn.Module, rows: list[dict[str, str]]) -> list[dict]:
-    return [preprocess(model, [row[column] for row in rows]) for column in rows[0]]
+    return [preprocess(model, [row[column] for row in rows], model.device) for column in rows[0]]
 
 
 def longest_rows(model: nn.Module, rows: list[dict[str, str]], count: int) -> list[dict[str, str]]:
@@ -223,15 +279,22 @@ def longest_rows(model: nn.Module, rows: list[dict[str, str]], count: int) -> li
     return sorted(rows, key=length, reverse=True)[:count]
 
 
-def forward_backward_peak(loss: nn.Module, model: nn.Module, rows: list[dict[str, str]]) -> float:
-    """Peak MiB of one forward and backward on ``rows``, from no gradients; the gradients are dropped after."""
-    model.zero_grad(set_to_none=True)
+def forward_backward_peak(loss: nn.Module, model: nn.Module, rows: list[dict[str, str]], steps: int = 1) -> float:
+    """Peak MiB of a forward and backward on ``rows``, from no gradients, the highest of ``steps`` such steps;
+    the gradients are dropped after each."""
     batch = features(model, rows)
-    labels = torch.zeros(len(rows))
-    with torch.random.fork_rng(), measure_peak("cpu") as peak:
-        loss(batch, labels).backward()
+    labels = torch.zeros(len(rows), device=model.device)
+    peaks = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        with (
+            torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []),
+            measure_peak(model.device) as peak,
+        ):
+            loss(batch, labels).backward()
+        peaks.append(peak.peak_mib)
     model.zero_grad(set_to_none=True)
-    return round(peak.peak_mib, 1)
+    return round(max(peaks), 1)
 
 
 def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], learning_rate: float) -> float:
@@ -242,7 +305,7 @@ def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], lea
     for epoch in epochs:
         for rows in epoch:
             optimizer.zero_grad(set_to_none=True)
-            loss(features(model, rows), torch.zeros(len(rows))).backward()
+            loss(features(model, rows), torch.zeros(len(rows), device=model.device)).backward()
             optimizer.step()
     return time.perf_counter() - started
 
@@ -256,9 +319,10 @@ def run(
 ) -> dict:
     """Measure the budget, then train, time and evaluate every configuration for every seed; ``written``
     gets the results so far after each configuration (``"complete"`` turns true after the last)."""
-    torch.set_num_threads(settings.threads)
+    if settings.device == "cpu":
+        torch.set_num_threads(settings.threads)
     torch.manual_seed(0)
-    probe = load_model(settings.model, settings.max_seq_length)
+    probe = load_model(settings.model, settings.max_seq_length, settings.device)
     dims = settings.dims or default_dims(embedding_dimension(probe))
     train_rows, held_out = split_pairs(settings)
     evaluators = retrieval_evaluators([p["anchor"] for p in held_out], [p["positive"] for p in held_out], list(dims))
@@ -285,19 +349,19 @@ def run(
         },
         "budget_mib": budget,
         "uncached_peak_mib_at": {str(k): v for k, v in uncached_at.items()},
-        "meter": "torch profiler allocation events (CPU): forward+backward, gradients included, optimizer excluded",
+        "meter": f"{meter(settings.device)}: forward+backward, gradients included, optimizer excluded",
         "before_training": {str(dim): {m: before[dim][m] for m in REPORTED} for dim in dims},
         "outcomes": [],
         "complete": False,
-        "machine": machine(),
+        "machine": machine(settings.device),
     }
     configs = configurations(settings)
     for number, config in enumerate(configs, start=1):
-        model = load_model(settings.model, settings.max_seq_length)
+        model = load_model(settings.model, settings.max_seq_length, settings.device)
         outcome = Outcome(config.label, config.family, config.batch_size, config.mini_batch, None)
         try:
             outcome.peak_mib = forward_backward_peak(
-                config.build(model, context), model, longest_rows(model, train_rows, config.batch_size)
+                config.build(model, context), model, longest_rows(model, train_rows, config.batch_size), steps=2
             )
         except BudgetTooSmallError as error:
             outcome.note = f"refused: {error}"
@@ -309,14 +373,20 @@ def run(
         del model
         for seed in settings.seeds:
             torch.manual_seed(seed)
-            model = load_model(settings.model, settings.max_seq_length)
+            model = load_model(settings.model, settings.max_seq_length, settings.device)
             loss = config.build(model, context)
             epochs = [batches(train_rows, config.batch_size, seed * 1000 + epoch) for epoch in range(settings.epochs)]
             outcome.seconds.append(round(train(loss, model, epochs, settings.learning_rate), 2))
+            auto = auto_mini_batch_of(loss)
+            if auto is not None and auto.choice is not None:  # the last choice: it covers the epoch's longest batch
+                choice = auto.choice
+                outcome.mini_batch = f"auto: {choice.size}, {choice.kept} of {choice.minibatches} graphs kept"
             model.eval()
             outcome.scores.append(evaluate(model, evaluators))
             del model, loss
             gc.collect()
+            if settings.device != "cpu":
+                torch.cuda.empty_cache()
         log(summary_line(outcome, dims[0]))
         results["outcomes"].append(as_json(outcome))
         results["complete"] = number == len(configs)
@@ -344,11 +414,18 @@ def summary_line(outcome: Outcome, dim: int) -> str:
     )
 
 
-def machine() -> str:
-    return (
+def machine(device: str) -> str:
+    host = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
     )
+    return host if device == "cpu" else f"{torch.cuda.get_device_name(device)}; {host}"
+
+
+def meter(device: str) -> str:
+    with measure_peak(device) as peak:
+        pass
+    return peak.meter
 
 
 def markdown_table(results: dict) -> str:
@@ -378,7 +455,8 @@ def markdown_table(results: dict) -> str:
     notes = [
         f"Budget: upstream MNRL at b={settings['small_batch']} peaks at {budget} MiB ({results['meter']}); "
         + ", ".join(f"without caching B={k} would need {v} MiB" for k, v in results["uncached_peak_mib_at"].items())
-        + f"; in budget: at most {BUDGET_TOLERANCE:.0%} above it.",
+        + f"; in budget: at most {BUDGET_TOLERANCE:.0%} above it (the auto mode's memory_budget_mb)."
+        + " A configuration's peak is the higher of two steps on its longest rows (a memory's queue full on the second).",
         f"Mean ± standard deviation over seeds {', '.join(map(str, settings['seeds']))}; {settings['epochs']} epoch(s) "
         f"of {results['data']['train_rows']} rows ({', '.join(results['data']['columns'])}), max_seq_length "
         f"{settings['max_seq_length']}, AdamW lr {settings['learning_rate']}, evaluated on "
@@ -464,6 +542,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch's CPU threads (1: steady timings on a shared machine)"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA allocator then measures the peaks)")
     parser.add_argument(
         "--only", nargs="+", default=[], help="train only the configurations whose line name contains one of these"
     )
@@ -481,6 +560,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
         learning_rate=args.learning_rate,
         hard_negatives=args.hard_negatives,
         threads=args.threads,
+        device=args.device,
         families=tuple(args.only),
         dims=tuple(sorted(args.dims, reverse=True)),
     )

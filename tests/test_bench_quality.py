@@ -22,12 +22,18 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
     assert results["data"]["train_rows"] == 12 and results["data"]["held_out_pairs"] == 8
     assert results["budget_mib"] > 0 and results["uncached_peak_mib_at"]["4"] > 0
     labels = [outcome["label"] for outcome in results["outcomes"]]
+    with_directions = [  # where MNRL has directions (not 4.x)
+        "st_ext CachedMNRL, three directions, B=4",
+        "st_ext CrossBatchMemory(CachedMNRL, three directions), document queue + query bank, B=4",
+    ]
     assert labels == [
         "upstream MNRL, b=2",
         "upstream CachedMNRL, B=4",
         "st_ext CachedMNRL, B=4",
         "st_ext CachedMNRL auto, B=4",
         "st_ext Matryoshka(CachedGIST), guide offloaded, B=4",
+        "st_ext CrossBatchMemory(CachedMNRL), document queue, B=4",
+        *(with_directions if bench["has_directions"]() else []),
     ]
     for outcome in results["outcomes"]:
         if outcome["peak_mib"] is None:  # only the auto mode may find the budget too small, and says so

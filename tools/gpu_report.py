@@ -26,7 +26,10 @@ off by a time limit keeps what it finished. The parts:
    path, and both steps' time;
 6. ``benchmarks/bench_partial_caching.py``: partial caching's cost curve on all-MiniLM-L6-v2 (256 pairs,
    seq 128, mini-batch 32), step time and peak memory ÷ the uncached step's against the share of
-   mini-batch graphs kept (0, ¼, ½, ¾, all).
+   mini-batch graphs kept (0, ¼, ½, ¾, all);
+7. ``benchmarks/bench_quality.py`` on the GPU: quality at equal memory (the budget: uncached MNRL's peak at
+   b=16, the CUDA allocator's meter; B=128 and 512; 1280 of the built-in pairs, 3 epochs, seeds 0-2),
+   its table and plot.
 
     python tools/gpu_report.py --part 1                 # on the GPU machine
     python tools/gpu_report.py --part all --dry-run     # CPU, tiny sizes (what CI runs)
@@ -65,6 +68,7 @@ PARTS = {
     "4": "two ranks on one GPU: DDP, FSDP2, DeepSpeed ZeRO against one process; the sharded table",
     "5": "flattened inputs through a variable-length attention kernel",
     "6": "partial caching: step time and peak memory against the mini-batch graphs kept",
+    "7": "quality at equal memory: uncached MNRL at b against the cached losses at 8b and 32b in its peak",
 }
 GROUPS = {"all": list(PARTS), "2": ["2a", "2b", "2c", "2d"]}
 
@@ -848,10 +852,46 @@ def part6(ctx: Context, part: Part) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Part 7
+
+
+def part7(ctx: Context, part: Part) -> None:
+    import bench_quality
+
+    out = ctx.out / "bench-quality"
+    if ctx.dry_run:
+        argv = ["--device", "cpu", "--small-batch", "2", "--factors", "2", "--seeds", "0", "--train-pairs", "12",
+                "--eval-pairs", "8", "--max-seq-length", "16", "--model", str(tiny_path(ctx))]  # fmt: skip
+    else:
+        argv = ["--device", "cuda", "--small-batch", "16", "--factors", "8", "32", "--train-pairs", "1280",
+                "--epochs", "3", "--max-seq-length", "64"]  # fmt: skip
+
+    def quality() -> str:
+        written = in_process(
+            part, f"bench_quality.py {' '.join(argv)}", bench_quality.main, [*argv, "--out", str(out)]
+        )
+        results = json.loads(written["results"].read_text())
+        part.data["quality"] = results
+        dim = str(results["settings"]["dims"][0])
+
+        def ndcg(outcome: dict) -> str:
+            values = [scores[dim]["ndcg@10"] for scores in outcome["scores"]]
+            return f"{statistics.fmean(values):.3f}" if values else outcome["note"][:60] or "-"
+
+        return f"budget {results['budget_mib']} MiB; NDCG@10 @{dim}: " + "; ".join(
+            f"{outcome['label']} {ndcg(outcome)}" for outcome in results["outcomes"]
+        )
+
+    label = "tiny BERT (dry run)" if ctx.dry_run else "all-MiniLM-L6-v2, b=16, B=128 and 512, 3 epochs, 3 seeds"
+    part.step(f"quality at equal memory, {label} (bench_quality.py; table and plot in {out.name}/)", quality)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 RUNNERS = {
     "1": part1, "2a": part2, "2b": part2, "2c": part2, "2d": part2, "3": part3, "4": part4, "5": part5, "6": part6,
+    "7": part7,
 }  # fmt: skip
 
 
