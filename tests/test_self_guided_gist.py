@@ -298,3 +298,5 @@ def test_model_card_and_registry(model):
     assert loss.get_config_dict() == upstream.CachedGISTEmbedLoss(model, model, margin=-0.1).get_config_dict()
     assert loss.get_config_dict()["guide"] is model
     assert losses.build_loss("cached_gist", model, guide=model, mini_batch_size=3).guides_itself
+    with pytest.raises(ValueError, match=r"needs a guide model, guide_embeddings, or the model itself .*guide=model"):
+        losses.build_loss("cached_gist", model, mini_batch_size=3)

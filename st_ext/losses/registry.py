@@ -155,7 +155,9 @@ def build_loss(
         raise ValueError(f"matryoshka_dims/weights given for {name!r}; use {MATRYOSHKA_PREFIX + name!r}.")
     if spec.guided:
         if guide is None and kwargs.get("guide_embeddings") is None:
-            raise ValueError(f"Loss {name!r} needs a guide model (or guide_embeddings).")
+            raise ValueError(
+                f"Loss {name!r} needs a guide model, guide_embeddings, or the model itself as its guide (guide=model)."
+            )
         kwargs["guide"] = guide
     elif guide is not None:
         raise ValueError(f"Loss {name!r} takes no guide model; the GIST losses do ('gist', 'cached_gist').")
