@@ -307,6 +307,8 @@ def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], lea
             optimizer.zero_grad(set_to_none=True)
             loss(features(model, rows), torch.zeros(len(rows), device=model.device)).backward()
             optimizer.step()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - started
 
 
