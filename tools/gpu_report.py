@@ -29,7 +29,8 @@ off by a time limit keeps what it finished. The parts:
    mini-batch graphs kept (0, ¼, ½, ¾, all);
 7. ``benchmarks/bench_quality.py`` on the GPU: quality at equal memory (the budget: uncached MNRL's peak at
    b=16, the CUDA allocator's meter; B=128 and 512; 1280 of the built-in pairs, 3 epochs, seeds 0-2),
-   its table and plot.
+   its table and ``results.json`` (the GPU machine has no matplotlib: ``bench_quality.py --from-results``
+   draws the plot here).
 
     python tools/gpu_report.py --part 1                 # on the GPU machine
     python tools/gpu_report.py --part all --dry-run     # CPU, tiny sizes (what CI runs)
@@ -864,7 +865,7 @@ def part7(ctx: Context, part: Part) -> None:
                 "--eval-pairs", "8", "--max-seq-length", "16", "--model", str(tiny_path(ctx))]  # fmt: skip
     else:
         argv = ["--device", "cuda", "--small-batch", "16", "--factors", "8", "32", "--train-pairs", "1280",
-                "--epochs", "3", "--max-seq-length", "64"]  # fmt: skip
+                "--epochs", "3", "--max-seq-length", "64", "--no-plot"]  # fmt: skip
 
     def quality() -> str:
         written = in_process(
