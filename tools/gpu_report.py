@@ -864,8 +864,10 @@ def part7(ctx: Context, part: Part) -> None:
         argv = ["--device", "cpu", "--small-batch", "2", "--factors", "2", "--seeds", "0", "--train-pairs", "12",
                 "--eval-pairs", "8", "--max-seq-length", "16", "--model", str(tiny_path(ctx))]  # fmt: skip
     else:
+        # The configurations (uncached, both cached losses, auto, Matryoshka(CachedGIST)): within 8 minutes.
         argv = ["--device", "cuda", "--small-batch", "16", "--factors", "8", "32", "--train-pairs", "1280",
-                "--epochs", "3", "--max-seq-length", "64", "--no-plot"]  # fmt: skip
+                "--epochs", "3", "--max-seq-length", "64", "--no-plot", "--only", "(uncached)", "upstream CachedMNRL",
+                "CachedMNRL (fixed)", "CachedMNRL (auto)", "Matryoshka(CachedGIST)"]  # fmt: skip
 
     def quality() -> str:
         written = in_process(
