@@ -61,12 +61,14 @@ def engine_forward(loss: Any) -> EngineForward | None:
         return None
     cross_encoder = archetype_loss_class("cross_encoder", "CachedMultipleNegativesRankingLoss")
     if cross_encoder is not None and isinstance(loss, cross_encoder):
-        if not cross_encoder_scores_features(type(loss)) or _overrides(loss, cross_encoder, _CROSS_ENCODER_STEPS):
+        if not cross_encoder_scores_features(type(loss)) or _overrides_any_step(
+            loss, cross_encoder, _CROSS_ENCODER_STEPS
+        ):
             return None
         return EngineForward(loss, lambda *args, **kw: cross_encoder_forward(loss, *args, **kw), ("prompt", "task"))
     multi_vector = archetype_loss_class("multi_vector_encoder", "CachedMultiVectorMultipleNegativesRankingLoss")
     if multi_vector is not None and isinstance(loss, multi_vector):
-        if _overrides(loss, multi_vector, _MULTI_VECTOR_STEPS):
+        if _overrides_any_step(loss, multi_vector, _MULTI_VECTOR_STEPS):
             return None
         return EngineForward(loss, lambda features, labels: multi_vector_forward(loss, features, labels))
     if upstream_description(loss) is None:
@@ -87,7 +89,8 @@ _CROSS_ENCODER_STEPS = ("predict_minibatch", "predict_minibatch_iter", "calculat
 _MULTI_VECTOR_STEPS = ("embed_minibatch", "embed_minibatch_iter", "calculate_loss_and_cache_gradients", "forward")
 
 
-def _overrides(loss: nn.Module, upstream_class: type, steps: tuple[str, ...]) -> bool:
+def _overrides_any_step(loss: nn.Module, upstream_class: type, steps: tuple[str, ...]) -> bool:
+    """Whether ``type(loss)`` replaces one of ``upstream_class``'s ``steps`` (then upstream's own forward runs it)."""
     return any(getattr(type(loss), name) is not getattr(upstream_class, name) for name in steps)
 
 
