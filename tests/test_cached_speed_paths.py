@@ -301,6 +301,18 @@ def test_measuring_leaves_accumulated_gradients_alone(model):
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
 
 
+def test_measuring_leaves_the_random_state_alone(model):
+    """With dropout on, the step that measures equals a step at the size and kept graphs it chose, from the
+    same seed: the probes' forward passes draw no random numbers the step's dropout would have drawn."""
+    columns = text_columns(BATCH, 3)
+    auto = cmnrl(model, "auto", memory_budget_mb=0.5)
+    actual = loss_and_grads(model, auto, columns, train=True)
+    choice = auto.auto_mini_batch.choice
+    assert choice.size < 3 * BATCH, "the budget forces several mini-batches"
+    fixed = cmnrl(model, choice.size, kept_graphs=choice.kept)
+    assert_same_grads(actual, loss_and_grads(model, fixed, columns, train=True))
+
+
 def test_auto_errors_say_what_to_change(model):
     with pytest.raises(ValueError, match="even a mini-batch of one row .* Raise memory_budget_mb"):
         cmnrl(model, "auto", memory_budget_mb=1e-4)(features_of(model, text_columns(BATCH, 2)), None)

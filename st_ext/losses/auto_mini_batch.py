@@ -5,12 +5,13 @@ embeddings and the loss's score blocks (estimated), or at the optimizer's update
 trainer hands the optimizer over (:attr:`AutoMiniBatch.optimizer`). The graph part is measured on
 the batch in hand, on its *longest* rows, for sizes 1, 2, 4, ... up to the whole batch, and the
 largest size that fits is kept, until a batch has more rows or a longer row. Measuring leaves no
-trace (gradients already in ``.grad`` are put back), and an out-of-memory error counts as over
-budget. Where the model can checkpoint, larger sizes are measured again with checkpointing on, and
-taken when the measured times say the step is faster. What the chosen size leaves of the budget
-holds kept graphs (partial caching: a kept mini-batch is not embedded a second time); what one costs
-is measured too, as the peak of two half-size graphs back-propagated together less that of one replayed
-graph, scaled. docs/speed.md says the rest.
+trace (gradients already in ``.grad`` are put back, the random state is forked), and an out-of-memory
+error counts as over budget. Where the model can checkpoint, larger sizes are measured again with
+checkpointing on, and taken when the measured times say the step is faster. What the chosen size
+leaves of the budget holds kept graphs (partial caching: a kept mini-batch is not embedded a second
+time); what one costs is measured too, as the peak of two half-size graphs back-propagated together
+less that of one replayed graph, and at least a forward pass's with its graph, scaled. docs/speed.md
+says the rest.
 """
 
 from __future__ import annotations
@@ -370,6 +371,8 @@ def _probe_peak(
     many times before one backward through every graph, as kept graphs are back-propagated; without
     ``backward``, the forward passes' graphs are kept to the end of the measurement and dropped.
 
+    The random state is forked: the probes' dropout leaves the step's draws as a fixed mini-batch makes them.
+
     Two passes for a cached step: its first replayed mini-batch allocates the parameters' gradients
     (unless the step starts with gradients already there), and every later one adds a fresh gradient
     to them. The gradients accumulate in ``.grad`` as in training: the ones already there are set
@@ -384,7 +387,8 @@ def _probe_peak(
     try:
         for param, grad in zip(params, saved):
             param.grad = None if grad is None else torch.zeros_like(grad)
-        with local, measure_peak(device) as peak, torch.enable_grad():
+        rng_devices = [device] if device.type == "cuda" else []  # dropout in a probe must not move the step's RNG
+        with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, torch.enable_grad():
             meter = peak.meter
             for _ in range(passes):
                 outputs = [module(features)["sentence_embedding"] for _ in range(graphs)]
