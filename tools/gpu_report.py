@@ -886,7 +886,7 @@ def part7(ctx: Context, part: Part) -> None:
         )
 
     label = "tiny BERT (dry run)" if ctx.dry_run else "all-MiniLM-L6-v2, b=16, B=128 and 512, 3 epochs, 3 seeds"
-    part.step(f"quality at equal memory, {label} (bench_quality.py; table and plot in {out.name}/)", quality)
+    part.step(f"quality at equal memory, {label} (bench_quality.py; table and results.json in {out.name}/)", quality)
 
 
 # ---------------------------------------------------------------------------------------------
