@@ -124,8 +124,9 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
     assert "mini_batch_size auto -> 8 (one pass over the whole batch" in capsys.readouterr().out
 
 
-def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, monkeypatch):
-    """--kept-graphs sets the cached loss's kept_graphs: a step then embeds that many mini-batches once."""
+@pytest.fixture
+def built_losses(monkeypatch) -> list:
+    """The losses ``st-ext train`` builds, in order."""
     from st_ext.cli import job
 
     built = []
@@ -136,12 +137,26 @@ def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, 
         return built[-1]
 
     monkeypatch.setattr(job, "build_loss", recording_build)
+    return built
+
+
+def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, built_losses):
+    """--kept-graphs sets the cached loss's kept_graphs: a step then embeds that many mini-batches once."""
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl", "--kept-graphs", "1")
     args[args.index("--mini-batch-size") + 1] = "2"
     assert main(args + ["--matryoshka-dims", "32"]) == 0
-    (loss,) = built
+    (loss,) = built_losses
     assert loss.kept_graphs == 1
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["settings"]["kept_graphs"] == 1
+
+
+def test_self_guided_gist_trains_with_the_model_as_its_guide(tiny_bert_dir, pairs_file, tmp_path, built_losses):
+    args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--self-guided")
+    assert main(args) == 0
+    (loss,) = built_losses  # MatryoshkaLoss over CachedGISTEmbedLoss
+    assert loss.loss.guides_itself
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["settings"]["self_guided"] is True and metrics["memory"]["frozen_encoders"]["mode"] == "resident"
 
 
 @pytest.mark.parametrize(
@@ -179,6 +194,12 @@ def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, 
             "memory_budget_mb: 'matryoshka_cached_gist' would ignore it (it sizes mini_batch_size auto",
         ),
         (["--kept-graphs", "-1"], "kept_graphs: -1 must be 0 or more mini-batches"),
+        (
+            ["--self-guided", "true", "--guide-mode", "offload"],
+            "self_guided: the model being trained is the guide, so there is no other guide to load",
+        ),
+        (["--self-guided", "true", "--guide", "__TMP__"], "leave out guide and guide_mode"),
+        (["--loss", "cached_mnrl", "--self-guided", "true"], "self_guided: 'cached_mnrl' would ignore it"),
         (
             ["--mini-batch-size", "auto", "--kept-graphs", "1"],
             "kept_graphs: 'matryoshka_cached_gist' would ignore it (it applies to a cached loss with a fixed "

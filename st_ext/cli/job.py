@@ -108,6 +108,11 @@ class TrainConfig:
         "the trainer's frozen_encoders= for the GIST guide: precompute (embed the training data once, then release "
         "the guide), offload (keep it on the CPU between uses) or resident",
     )
+    self_guided: bool = _setting(
+        False,
+        "GIST losses: the model being trained is its own guide (its detached embeddings of the step; no second "
+        "model, no extra forward pass) instead of a frozen guide",
+    )
     max_seq_length: int = _setting(64, "truncate texts to this many tokens")
 
     @classmethod
@@ -139,6 +144,11 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
             f"use one of {', '.join(trainable)}" + (", or one --negative-columns" if spec.trains_on(1) else "") + "."
         )
     _refuse_unused_settings(config, spec)
+    if config.self_guided and (config.guide is not None or config.guide_mode != TrainConfig().guide_mode):
+        raise ConfigError(
+            "self_guided: the model being trained is the guide, so there is no other guide to load, precompute or "
+            "offload; leave out guide and guide_mode."
+        )
     if config.guide is not None:
         _check_model("guide", config.guide)
     if config.guide_mode not in FROZEN_ENCODER_MODES:
@@ -244,6 +254,7 @@ def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
     ignored = [
         ("guide", not spec.guided, "only the GIST losses use a guide"),
         ("guide_mode", not spec.guided, "only the GIST losses use a guide"),
+        ("self_guided", not spec.guided, "only the GIST losses use a guide"),
         ("mini_batch_size", not spec.cached, "only the cached losses split batches into mini-batches"),
         (
             "memory_budget_mb",
@@ -632,7 +643,8 @@ def _usable_dims(dims: list[int], embedding_dim: int) -> list[int]:
 
 def _build_loss(config: TrainConfig, model, model_path: str, dims: list[int]):
     """The configured loss, and the trainer's ``frozen_encoders=`` for it: ``config.guide_mode`` for a GIST
-    loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"."""
+    loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"
+    (also for a self-guided GIST loss, whose guide is the model it trains)."""
     matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
     sizing = {"mini_batch_size": config.mini_batch_size}
     if config.mini_batch_size == "auto":
@@ -641,6 +653,8 @@ def _build_loss(config: TrainConfig, model, model_path: str, dims: list[int]):
         sizing["kept_graphs"] = config.kept_graphs
     if not loss_spec(config.loss).guided:
         return build_loss(config.loss, model, **sizing, **matryoshka), "resident"
+    if config.self_guided:
+        return build_loss(config.loss, model, guide=model, **sizing, **matryoshka), "resident"
     guide = SentenceTransformer(config.guide or model_path, device="cpu")
     guide.max_seq_length = config.max_seq_length
     guide.eval().requires_grad_(False)
