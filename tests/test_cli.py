@@ -141,7 +141,7 @@ def built_losses(monkeypatch) -> list:
 
 
 def test_kept_graphs_reach_the_cached_loss(tiny_bert_dir, pairs_file, tmp_path, built_losses):
-    """--kept-graphs sets the cached loss's kept_graphs: a step then embeds that many mini-batches once."""
+    """--kept-graphs reaches the cached loss (tests/test_partial_caching.py shows what it does) and metrics.json."""
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl", "--kept-graphs", "1")
     args[args.index("--mini-batch-size") + 1] = "2"
     assert main(args + ["--matryoshka-dims", "32"]) == 0
