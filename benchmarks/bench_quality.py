@@ -161,7 +161,9 @@ def configurations(settings: Settings) -> list[Config]:
                 f"st_ext CrossBatchMemory(CachedMNRL), document queue, B={big}",
                 "st_ext CachedMNRL + document queue",
                 big,
-                lambda model, _, big=big: cross_batch_memory(model, b, big),
+                lambda model, _, big=big: losses.CrossBatchMemoryLoss(
+                    model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=b), memory_size=big
+                ),
                 str(b),
             ),
         ]
@@ -171,16 +173,16 @@ def configurations(settings: Settings) -> list[Config]:
                     f"st_ext CachedMNRL, three directions, B={big}",
                     "st_ext CachedMNRL, three directions",
                     big,
-                    lambda model, _: losses.CachedMultipleNegativesRankingLoss(
-                        model, mini_batch_size=b, directions=QUERY_AND_DOCUMENT_DIRECTIONS
-                    ),
+                    lambda model, _: three_direction_cmnrl(model, b),
                     str(b),
                 ),
                 Config(
                     f"st_ext CrossBatchMemory(CachedMNRL, three directions), document queue + query bank, B={big}",
                     "st_ext CachedMNRL + query bank",
                     big,
-                    lambda model, _, big=big: cross_batch_memory(model, b, big, query_bank=True),
+                    lambda model, _, big=big: losses.CrossBatchMemoryLoss(
+                        model, three_direction_cmnrl(model, b), memory_size=big, query_bank=True
+                    ),
                     str(b),
                 ),
             ]
@@ -198,12 +200,11 @@ def has_directions() -> bool:
     return "directions" in inspect.signature(upstream.MultipleNegativesRankingLoss).parameters
 
 
-def cross_batch_memory(model: nn.Module, mini_batch: int, memory_size: int, *, query_bank: bool = False) -> nn.Module:
-    """st_ext's cached MNRL under a queue of the last ``memory_size`` documents (and anchors, with a query
-    bank: then the MNRL scores the three directions, where queued anchors are candidates)."""
-    directions = {"directions": QUERY_AND_DOCUMENT_DIRECTIONS} if query_bank else {}
-    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch, **directions)
-    return losses.CrossBatchMemoryLoss(model, inner, memory_size=memory_size, query_bank=query_bank)
+def three_direction_cmnrl(model: nn.Module, mini_batch: int) -> nn.Module:
+    """st_ext's cached MNRL scoring queries as candidates too: where a query bank's queued anchors count."""
+    return losses.CachedMultipleNegativesRankingLoss(
+        model, mini_batch_size=mini_batch, directions=QUERY_AND_DOCUMENT_DIRECTIONS
+    )
 
 
 def upstream_mnrl(model: nn.Module) -> nn.Module:
