@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from st_ext import _compat
 
@@ -30,6 +32,10 @@ DEFAULT_CHECKPOINT_KWARGS = {"use_reentrant": False}
 
 class CheckpointingNotSupportedError(ValueError):
     """A checkpointing request that cannot be honoured (a module that can be switched on but never off)."""
+
+
+#: The hooks :func:`enable` put on frozen input embeddings for re-entrant checkpointing, removed by :func:`disable`.
+_INPUT_GRAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
 
 
 def survey(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
@@ -113,6 +119,8 @@ def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any)
             ", ".join(contents),
         )
     for _, module in targets:
+        if kwargs.get("use_reentrant", True):
+            _let_gradients_reach_checkpointed_layers(module)
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_enable(module, dict(kwargs), **extra)
             continue
@@ -133,6 +141,9 @@ def disable(root: nn.Module) -> list[str]:
     """
     targets = checkpointable_modules(root)
     for name, module in targets:
+        embeddings = _input_embeddings(module)
+        if embeddings is not None and embeddings in _INPUT_GRAD_HOOKS:
+            _INPUT_GRAD_HOOKS.pop(embeddings).remove()
         if _compat.is_hf_model(module):
             _compat.hf_checkpointing_disable(module)
             continue
@@ -147,6 +158,34 @@ def disable(root: nn.Module) -> list[str]:
             )
         method()
     return [name for name, _ in targets]
+
+
+def _input_embeddings(module: nn.Module) -> nn.Module | None:
+    """The module's input embeddings (a PEFT wrapper answers for the model it wraps), or None."""
+    get_embeddings = getattr(module, "get_input_embeddings", None)
+    try:
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+    except NotImplementedError:
+        return None
+    return embeddings if isinstance(embeddings, nn.Module) else None
+
+
+def _let_gradients_reach_checkpointed_layers(module: nn.Module) -> None:
+    """Re-entrant checkpointing computes a segment's parameter gradients only when one of the segment's inputs
+    requires grad. With the input embeddings frozen and weights inside the layers trainable (a LoRA adapter),
+    nothing does, and those weights would silently get no gradient: the embeddings' output is made to require
+    grad, as transformers does for the adapters its own ``add_adapter`` attaches (only there in transformers 4)."""
+    embeddings = _input_embeddings(module)
+    if embeddings is None or embeddings in _INPUT_GRAD_HOOKS:
+        return
+    if any(param.requires_grad for param in embeddings.parameters()):
+        return
+    if any(param.requires_grad for param in module.parameters()):
+        _INPUT_GRAD_HOOKS[embeddings] = embeddings.register_forward_hook(_output_requires_grad)
+
+
+def _output_requires_grad(module: nn.Module, inputs: Any, output: Any) -> None:
+    output.requires_grad_(True)
 
 
 @contextlib.contextmanager
