@@ -33,6 +33,7 @@ from st_ext.cli.data import Columns, check_data_path, read_rows, training_rows
 from st_ext.cli.errors import ConfigError
 from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.hub import looks_like_hub_id, model_config
+from st_ext.cli.lora import add_lora, check_lora_settings
 from st_ext.cli.reference_peak import FORWARD_BACKWARD, UncachedReference
 from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
 from st_ext.cli.trainer_args import (
@@ -114,6 +115,14 @@ class TrainConfig:
         "model, no extra forward pass) instead of a frozen guide",
     )
     max_seq_length: int = _setting(64, "truncate texts to this many tokens")
+    lora_rank: int | None = _setting(
+        None, "train a LoRA adapter of this rank (needs peft) instead of every weight; unset: no adapter"
+    )
+    lora_alpha: float | None = _setting(None, "LoRA scaling numerator (unset: twice lora_rank)")
+    lora_dropout: float | None = _setting(None, "dropout on the LoRA branch, from 0 to below 1 (unset: 0)")
+    lora_target_modules: list[str] | None = _setting(
+        None, "names of the layers LoRA adapts, e.g. q_proj v_proj (unset: peft's default for the architecture)"
+    )
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -174,6 +183,7 @@ def validate(config: TrainConfig, trainer_settings: dict[str, Any]) -> None:
     if config.eval_fraction is not None and not 0 < config.eval_fraction < 1:
         raise ConfigError(f"eval_fraction: {config.eval_fraction} must be between 0 and 1.")
     _check_ranges(config, trainer_settings)
+    check_lora_settings(config)
     output_dir = Path(trainer_settings["output_dir"])
     _check_output_dir(output_dir)
     training_arguments(trainer_settings, str(checkpoint_folder(output_dir)), use_cpu=not torch.cuda.is_available())
@@ -347,6 +357,9 @@ def _run(
 
     model = SentenceTransformer(model_path, device=device)
     model.max_seq_length = config.max_seq_length
+    adapter_line = add_lora(model, config)
+    if adapter_line is not None:
+        print(adapter_line)
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     before = evaluate(model, evaluators, epoch=0, steps=0)
