@@ -17,6 +17,7 @@ QUICK_RUNS = {
     "cached_matryoshka_2d.py": (["--max-steps", "1", "--batch-size", "16"], "NDCG@10 on"),
     "cached_gist_guide.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
     "cross_encoder_checkpointing.py": (["--max-steps", "1"], "activation memory"),
+    "decoder_lora.py": (["--max-steps", "1", "--batch-size", "8"], "embeddings identical after reloading: True"),
     "distillation_teacher.py": (["--max-steps", "1", "--batch-size", "8"], "is fully released"),
     "triplet_cross_batch_memory.py": (
         ["--max-steps", "2", "--batch-size", "8", "--memory-size", "32"],
