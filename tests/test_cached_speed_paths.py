@@ -82,6 +82,11 @@ def one_forward_reference(model, build_reference, columns, *, train: bool, seed:
     return value.detach(), grads
 
 
+def equal_length_columns(batch_size: int, num_columns: int) -> list[list[str]]:
+    """Columns whose rows all have one length (one token a word): they share forward passes without padding."""
+    return text_columns(batch_size, num_columns, min_words=8, max_words=8)
+
+
 def cmnrl(model, size, **kwargs):
     return losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=size, **kwargs)
 
@@ -92,7 +97,7 @@ def cmnrl(model, size, **kwargs):
 
 @pytest.mark.parametrize("num_columns", [2, 3])
 def test_one_pass_when_the_batch_fits_equals_the_uncached_loss_with_dropout(model, guide, num_columns):
-    columns = text_columns(BATCH, num_columns)
+    columns = equal_length_columns(BATCH, num_columns)
     rows = BATCH * num_columns
     cases = [
         (cmnrl(model, rows), lambda m: upstream.MultipleNegativesRankingLoss(m)),
@@ -114,7 +119,7 @@ def test_one_pass_when_the_batch_fits_equals_the_uncached_loss_with_dropout(mode
 
 
 def test_one_pass_holds_only_when_every_row_fits(model):
-    columns = text_columns(BATCH, 2)
+    columns = equal_length_columns(BATCH, 2)
     calls = forward_counter(model)
     loss_and_grads(model, cmnrl(model, 2 * BATCH - 1), columns, train=False)
     assert [with_graph for with_graph, *_ in calls] == [False, False, True, True]
@@ -126,7 +131,7 @@ def test_one_pass_holds_only_when_every_row_fits(model):
 
 @pytest.mark.parametrize("num_columns", [2, 3])
 def test_merged_mini_batches_cut_across_columns_and_equal_the_uncached_loss(model, num_columns):
-    columns = text_columns(BATCH, num_columns)
+    columns = equal_length_columns(BATCH, num_columns)
     calls = forward_counter(model)
     actual = loss_and_grads(model, cmnrl(model, 6), columns, train=False)
     expected_passes = math.ceil(BATCH * num_columns / 6)
@@ -172,7 +177,7 @@ def test_columns_that_cannot_share_a_pass_are_embedded_apart(model):
 def test_planning_and_slicing_mini_batches_never_read_device_data(model):
     """Once a column's layout is taken (one copy per column per batch), cutting and building every
     mini-batch reads nothing back from the device: no per-mini-batch synchronisation on CUDA."""
-    features = features_of(model, text_columns(BATCH, 3))
+    features = features_of(model, equal_length_columns(BATCH, 3))
     layouts = [layout_of(f) for f in features]
     guarded = [{k: v.as_subclass(NoDeviceReads) if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
     with pytest.raises(AssertionError, match="read device data"):
@@ -189,7 +194,7 @@ def test_planning_and_slicing_mini_batches_never_read_device_data(model):
 
 
 def test_auto_without_a_budget_on_the_cpu_runs_one_pass(model):
-    columns = text_columns(BATCH, 2)
+    columns = equal_length_columns(BATCH, 2)
     loss = cmnrl(model, "auto")
     calls = forward_counter(model)
     actual = loss_and_grads(model, loss, columns, train=True)

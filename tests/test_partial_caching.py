@@ -118,7 +118,8 @@ def forward_passes(model, loss, columns) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("kept", [0, 1, 5, MINI_BATCHES])
 def test_a_kept_mini_batch_is_embedded_once(model, kept):
-    passes = forward_passes(model, cmnrl(model, kept), text_columns(BATCH, 3))
+    # Rows of one length: the columns share forward passes (no padding), MINI_BATCHES of them.
+    passes = forward_passes(model, cmnrl(model, kept), text_columns(BATCH, 3, min_words=8, max_words=8))
     replayed = MINI_BATCHES - kept
     assert passes == (kept, replayed, replayed)
 
@@ -182,7 +183,8 @@ def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog
     choice = loss.auto_mini_batch.choice
     assert choice.size == 8 and choice.kept == 1, choice
     assert [record.getMessage() for record in caplog.records] == [str(choice)]
-    assert f"{choice.minibatches} mini-batches, {choice.kept} of their graphs kept" in str(choice)
+    assert f"{choice.minibatches} forward passes of at most 8 texts each" in str(choice)
+    assert f"the first {choice.kept} keep their graphs" in str(choice)
     assert step_peak(loss) <= budget, choice
     graph, no_graph, replayed = forward_passes(model, loss, columns)
     assert (graph, no_graph, replayed) == (choice.kept, choice.minibatches - choice.kept, no_graph)

@@ -3,8 +3,10 @@
 A cached step peaks at one mini-batch's forward and backward with a graph, plus the batch's
 embeddings and the loss's score blocks (estimated), or at the optimizer's update when st_ext's
 trainer hands the optimizer over (:attr:`AutoMiniBatch.optimizer`). The graph part is measured on
-the batch in hand, on its *longest* rows, for sizes 1, 2, 4, ... up to the whole batch, and the
-largest size that fits is kept, until a batch has more rows or a longer row. Measuring leaves no
+the batch in hand, on its *longest* rows, for sizes 1, 2, 4, ... up to the whole batch (measured as the
+one pass the engine would run, its columns embedded as planned), and the largest size that fits is kept,
+until a batch has more rows or a longer row. The log line says what was chosen, the step peak it expects
+(what the step then measures, within :data:`EXPECTED_MARGIN`) and how long measuring took. Measuring leaves no
 trace (gradients already in ``.grad`` are put back, the random state is forked), and an out-of-memory
 error counts as over budget. Where the model can checkpoint, larger sizes are measured again with
 checkpointing on, and taken when the measured times say the step is faster. What the chosen size
@@ -30,12 +32,15 @@ from st_ext import checkpointing
 from st_ext._compat import compiled_module
 from st_ext.gradient_sync import gradient_sync, parameters_sharded
 from st_ext.losses.features import ColumnLayout, Features, minibatch_features
-from st_ext.losses.minibatches import Segment, can_merge
+from st_ext.losses.minibatches import Segment, can_merge, plan_minibatches
 from st_ext.memory import measure_peak
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+#: How far a step's measured peak may be from the figure the auto mode expected for it (the estimated score
+#: blocks and the meter's noise); benchmarks/bench_real_lengths.py checks it.
+EXPECTED_MARGIN = 0.15
 #: Share of the free CUDA memory the default budget takes; the rest absorbs allocator fragmentation.
 CUDA_BUDGET_FRACTION = 0.8
 #: Bytes per trainable parameter the first optimizer step has yet to allocate: its gradient and
@@ -59,24 +64,37 @@ class AutoChoice:
     kept: int = 0
     #: The measured cost of one more kept graph (None: not measured, the whole batch is one pass).
     kept_graph_bytes: int | None = None
+    #: The step's peak at the choice (its graphs kept included), as measured and estimated here: the figure
+    #: the step then measures, within :data:`EXPECTED_MARGIN` (None: no budget, nothing measured).
+    expected_bytes: int | None = None
+    #: Wall-clock seconds the measurement took (its probes' forward and backward passes).
+    probe_seconds: float = 0.0
+    #: Input columns of the batch (``rows`` counts the texts of all of them).
+    columns: int = 1
 
     def __str__(self) -> str:
-        how = "one pass over the whole batch" if self.size >= self.rows else f"{self.minibatches} mini-batches"
-        if self.size < self.rows:
-            how += f", {self.kept} of their graphs kept"
-            if self.kept_graph_bytes is not None:
-                how += f" ({_mib(self.kept_graph_bytes)} each)"
+        texts = f"{self.rows} texts" + (f" in {self.columns} columns" if self.columns > 1 else "")
+        if self.size >= self.rows:
+            how = f"one pass over all {texts}: the plain forward and backward"
+        else:
+            how = f"{self.minibatches} forward passes of at most {self.size} texts each, over {texts}"
+            if self.kept:
+                how += f"; the first {self.kept} keep their graphs ({_mib(self.kept_graph_bytes)} each)"
+            elif self.kept_graph_bytes is not None:
+                how += f"; no graph kept (keeping one would add {_mib(self.kept_graph_bytes)})"
         if self.checkpointing:
-            how += " with gradient checkpointing"
+            how += ", with gradient checkpointing"
         if self.budget_bytes is None:
-            return f"mini_batch_size auto -> {self.size} ({how}: no memory budget on this device)"
+            return f"mini_batch_size auto -> {self.size} ({how}; no memory budget on this device, nothing measured)"
         tried = ", ".join(
             f"{size}: {peak / 2**20:.0f} MiB" if peak >= 0 else f"{size}: out of memory"
             for size, peak in self.tried.items()
         )
+        expected = "" if self.expected_bytes is None else f"expected step peak {_mib(self.expected_bytes)}; "
         return (
-            f"mini_batch_size auto -> {self.size} ({how}; {self.rows} rows, longest {self.longest_row} tokens; "
-            f"budget {self.budget_bytes / 2**20:.0f} MiB, {self.meter}; step peak by size: {tried})"
+            f"mini_batch_size auto -> {self.size} ({how}; longest row {self.longest_row} tokens; {expected}"
+            f"budget {_mib(self.budget_bytes)}, {self.meter}; measuring took {self.probe_seconds:.1f} s; "
+            f"step peak by size, estimated from probes: {tried})"
         )
 
 
@@ -109,7 +127,9 @@ class AutoMiniBatch:
         rows = sum(layout.rows for layout in layouts)
         longest = max(_longest_row(features, layout) for features, layout in zip(sentence_features, layouts))
         if self.choice is None or rows > self.choice.rows or longest > self.choice.longest_row:
+            began = time.perf_counter()
             self.choice = self._measure(model, sentence_features, layouts, rows, longest)
+            self.choice.probe_seconds = time.perf_counter() - began
             logger.info(str(self.choice))
         return self.choice.size
 
@@ -135,7 +155,7 @@ class AutoMiniBatch:
     ) -> AutoChoice:
         device = _device_of(sentence_features)
         budget = self.budget_bytes(model, device)
-        choice = AutoChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget)
+        choice = AutoChoice(size=rows, rows=rows, longest_row=longest, budget_bytes=budget, columns=len(layouts))
         if budget is None:
             return choice
         update = optimizer_step_bytes(self.optimizer) if self.optimizer is not None else 0
@@ -172,9 +192,12 @@ class AutoMiniBatch:
                 choice.size, choice.checkpointing = larger, True
                 series = with_checkpointing
         choice.minibatches = series.minibatches(choice.size)
+        choice.expected_bytes = series.peaks[choice.size]
         if choice.size < rows:
             choice.kept_graph_bytes = series.kept_graph_bytes(choice.size)
             choice.kept = series.graphs_kept(choice.size, choice.kept_graph_bytes)
+            if choice.kept:
+                choice.expected_bytes += choice.kept * choice.kept_graph_bytes
         return choice
 
 
@@ -198,6 +221,7 @@ class _Series:
         self.rows, self.budget, self.device, self.checkpointed = rows, budget, device, checkpointed
         self.update_bytes = update_bytes
         self.graphs: dict[int, int] = {}  # measured graph peaks by size
+        self.cells: dict[int, int] = {}  # padded token positions each measured size embedded
         self.slope_hint: float | None = None
         self.order = _longest_first(sentence_features, layouts)
         self.peaks: dict[int, int] = {}
@@ -206,22 +230,28 @@ class _Series:
         self.dim = 0  # the embedding size, once a probe has run
 
     def largest_fitting(self, start: int) -> int:
-        """The largest probed size from ``start`` up whose step fits the budget (0: none)."""
+        """The largest probed size from ``start`` up whose step fits the budget (0: none). Sizes below the
+        batch probe one mini-batch of the batch's longest rows; the whole batch probes the one pass the engine
+        would run (its forward passes as planned, every graph alive, one backward)."""
         fitting, dim = 0, 0
-        for size in _candidates(len(self.order), start):
-            predicted = self._extrapolated(size)
+        sizes = list(_candidates(len(self.order), start))
+        if len(self.order) < self.rows and (not sizes or sizes[-1] == len(self.order)):
+            sizes.append(self.rows)  # columns embedded apart: one pass over the batch holds every column's graph
+        for size in sizes:
+            whole = size >= self.rows
+            predicted = self._whole_batch_extrapolated() if whole else self._extrapolated(size)
             estimate = None if predicted is None else self._step_peak(predicted, dim, size)
             if estimate is not None and estimate > self.budget:
                 # The graph grows linearly with the rows: a probe this size would pass the budget
                 # itself, on the step that measures. Its estimate stands in for it.
                 self.peaks[size] = estimate
                 return fitting
-            rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
-            passes = 1 if size >= self.rows else 2
+            batches = self._whole_batch() if whole else [self._longest(size)]
+            passes = 1 if whole else 2
             began = time.perf_counter()
             with checkpointed(self.model, self.checkpointed):
                 graph_peak, dim, self.meter = _probe_peak(
-                    self.model, minibatch_features(self.sentence_features, self.layouts, rows), self.device, passes
+                    self.model, batches[0], self.device, passes, more=batches[1:]
                 )
             self.seconds[size] = (time.perf_counter() - began) / passes
             self.dim = dim
@@ -229,18 +259,34 @@ class _Series:
             self.peaks[size] = -1 if peak is None else peak
             if graph_peak is not None:
                 self.graphs[size] = graph_peak
+                self.cells[size] = sum(_padded_cells(batch) for batch in batches)
             if peak is None or peak > self.budget:
                 return fitting
             fitting = size
-        if len(self.order) < self.rows and fitting == len(self.order):
-            # Columns that cannot share a forward pass: one pass holds every column's graph at once,
-            # each at most as large as the longest column's (measured last, just above).
-            whole = self._step_peak(graph_peak * len(self.layouts), dim, self.rows)
-            self.peaks[self.rows] = whole
-            self.seconds[self.rows] = self.seconds[fitting] * len(self.layouts)
-            if whole <= self.budget:
-                fitting = self.rows
         return fitting
+
+    def _longest(self, size: int) -> Features:
+        """One mini-batch of the batch's ``size`` longest rows (of every column where columns share passes)."""
+        return minibatch_features(
+            self.sentence_features, self.layouts, tuple(Segment(c, r, r + 1) for c, r in self.order[:size])
+        )
+
+    def _whole_batch(self) -> list[Features]:
+        """The forward passes of the engine's one pass over the batch, as it plans them."""
+        plan = plan_minibatches(self.sentence_features, self.layouts, self.rows)
+        return [minibatch_features(self.sentence_features, self.layouts, minibatch) for minibatch in plan.minibatches]
+
+    def _whole_batch_extrapolated(self) -> int | None:
+        """The one pass's graph peak on the line through the last two measured sizes, by padded token
+        positions (short queries beside long passages cost less than their rows say)."""
+        if len(self.graphs) < 2:
+            return None
+        (small, low), (large, high) = sorted(self.graphs.items())[-2:]
+        spread = self.cells[large] - self.cells[small]
+        if spread <= 0:
+            return None
+        whole = sum(_padded_cells(batch) for batch in self._whole_batch())
+        return int(high + max(high - low, 0) / spread * (whole - self.cells[large]))
 
     def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
         """A step's peak: the larger of the backward and the update."""
@@ -255,11 +301,8 @@ class _Series:
         return graph_peak + 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
 
     def minibatches(self, size: int) -> int:
-        """The forward passes of a batch at ``size``: across columns where they share passes (the probes'
-        rows then span every column), else per column."""
-        if len(self.order) == self.rows:
-            return -(-self.rows // size)
-        return sum(-(-layout.rows // size) for layout in self.layouts)
+        """The forward passes of a batch at ``size``, as the engine plans them."""
+        return len(plan_minibatches(self.sentence_features, self.layouts, size).minibatches)
 
     def kept_graph_bytes(self, size: int) -> int | None:
         """What one more graph of ``size`` rows alive until the backward adds to the peak, measured on half as
@@ -329,6 +372,12 @@ def _candidates(limit: int, start: int) -> Iterator[int]:
         yield limit
 
 
+def _padded_cells(features: Features) -> int:
+    """Token positions a forward pass over ``features`` computes, padding included."""
+    input_ids = features.get("input_ids")
+    return int(input_ids.numel()) if isinstance(input_ids, Tensor) else 0
+
+
 def _longest_row(features: Features, layout: ColumnLayout) -> int:
     if layout.lengths is not None and layout.rows:
         return int(layout.lengths.max())
@@ -364,11 +413,18 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
 
 
 def _probe_peak(
-    model: nn.Module, features: Features, device: torch.device, passes: int, graphs: int = 1, backward: bool = True
+    model: nn.Module,
+    features: Features,
+    device: torch.device,
+    passes: int,
+    graphs: int = 1,
+    backward: bool = True,
+    more: Sequence[Features] = (),
 ) -> tuple[int | None, int, str]:
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
     memory), the embedding size, and the meter. With ``graphs`` above 1, each pass embeds the features that
-    many times before one backward through every graph, as kept graphs are back-propagated; without
+    many times before one backward through every graph, as kept graphs are back-propagated; ``more``: further
+    features each pass embeds before that backward (the other forward passes of a one-pass step); without
     ``backward``, the forward passes' graphs are kept to the end of the measurement and dropped.
 
     The random state is forked: the probes' dropout leaves the step's draws as a fixed mini-batch makes them.
@@ -391,7 +447,8 @@ def _probe_peak(
         with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, torch.enable_grad():
             meter = peak.meter
             for _ in range(passes):
-                outputs = [module(features)["sentence_embedding"] for _ in range(graphs)]
+                batches = [features] * graphs + list(more)
+                outputs = [module(batch)["sentence_embedding"] for batch in batches]
                 dim = outputs[0].shape[-1]
                 if not outputs[0].requires_grad or not backward:
                     break

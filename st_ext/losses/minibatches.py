@@ -7,6 +7,11 @@ columns can share a forward pass, the batch is one sequence of rows, column afte
 mini-batches (one may hold the end of the anchors and the start of the positives: three columns of
 256 rows at mini-batches of 512 take two passes, not three); otherwise every column is cut on its
 own, as upstream does.
+
+A shared pass is padded to its longest row, so rows of several columns share one only where that
+costs no padding: flattened rows (no padding at all), or padded segments that are each as wide as the
+pass. Short queries beside long passages (the usual case) are embedded column by column, so that one
+pass over the whole batch holds no more than the uncached loss's forward passes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -81,7 +87,8 @@ def plan_minibatches(
     merged_groups = _cut(all_rows, layouts, mini_batch_size, mini_batch_num_tokens)
     single_pass = len(merged_groups) <= 1
     if len(layouts) > 1 and can_merge(sentence_features, layouts):
-        minibatches = [_segments(group) for group in merged_groups]
+        widths = [_row_widths(features, layout) for features, layout in zip(sentence_features, layouts)]
+        minibatches = [part for group in merged_groups for part in _unpadded(_segments(group), widths)]
     else:
         minibatches = []
         for column, layout in enumerate(layouts):
@@ -108,6 +115,29 @@ def _cut(
     if current:
         groups.append(current)
     return groups
+
+
+def _row_widths(features: Features, layout: ColumnLayout) -> np.ndarray | None:
+    """The width each row of a padded column needs (None: flattened rows, which carry no padding); rows
+    whose features say nothing about padding need the column's whole width."""
+    if layout.flattened:
+        return None
+    if layout.ends is not None:
+        return layout.ends
+    input_ids = features.get("input_ids")
+    width = input_ids.shape[1] if isinstance(input_ids, Tensor) and input_ids.ndim >= 2 else 0
+    return np.full(layout.rows, width)
+
+
+def _unpadded(minibatch: MiniBatch, widths: Sequence[np.ndarray | None]) -> list[MiniBatch]:
+    """``minibatch`` as one pass where its segments are all as wide as the pass (no row is padded further than
+    in a pass of its own column), else as one pass per segment."""
+    if len(minibatch) == 1 or any(widths[segment.column] is None for segment in minibatch):
+        return [minibatch]
+    own = [int(widths[segment.column][segment.begin : segment.end].max()) for segment in minibatch]
+    if len(set(own)) == 1:
+        return [minibatch]
+    return [(segment,) for segment in minibatch]
 
 
 def _segments(rows: list[tuple[int, int]]) -> MiniBatch:
