@@ -26,12 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a SentenceTransformer (default: the packaged all-MiniLM-L6-v2 on built-in pairs); "
         "`st-ext train --help` lists its settings",
     )
+    commands.add_parser(
+        "swap-imports",
+        add_help=False,
+        allow_abbrev=False,
+        help="rewrite a training script's sentence-transformers imports to st_ext's (a diff by default; "
+        "--in-place writes it)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _, rest = build_parser().parse_known_args(argv)  # "train", the one command, parses the rest
+    namespace, rest = build_parser().parse_known_args(argv)  # the command parses the rest
+    if namespace.command == "swap-imports":
+        from st_ext.cli.swap_imports import run
+
+        return run(rest)
     return train(rest)
 
 
