@@ -2,7 +2,8 @@
 
 Upstream's tests load models such as ``sentence-transformers-testing/stsb-bert-tiny-safetensors`` from the Hub.
 Offline those tests fail before and after a patch alike and prove nothing. This builds a model of the same kind
-and shape (a BERT of hidden size 128 with 2 layers, random weights, a small WordPiece vocabulary) under each id in
+and shape (a BERT of hidden size 128 with 2 layers, random weights, a small WordPiece vocabulary; a static embedding
+model of the real one's dimension, which tests check) under each id in
 the layout ``huggingface_hub`` reads from its cache, so that with ``HF_HUB_CACHE`` pointing there and
 ``HF_HUB_OFFLINE=1`` the fixtures load them and the tests run. Tests that check a real model's outputs still fail
 (before and after alike); tests of shapes, gradients and training run.
@@ -97,6 +98,16 @@ def sparse_encoder(folder: Path) -> None:
         SparseEncoder(modules=[MLMTransformer(raw), SpladePooling("max")]).save(str(folder))
 
 
+def static_embedding(folder: Path) -> None:
+    """A ``StaticEmbedding`` model of 1024 dimensions, as ``static-retrieval-mrl-en-v1``: its tests check them."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import StaticEmbedding
+
+    with tempfile.TemporaryDirectory() as raw:
+        static = StaticEmbedding(tokenizer(Path(raw)).backend_tokenizer, embedding_dim=1024)
+        SentenceTransformer(modules=[static]).save(str(folder))
+
+
 def distilbert(folder: Path) -> None:
     config = DistilBertConfig(vocab_size=len(tokenizer(folder)), dim=128, n_layers=2, n_heads=2, hidden_dim=512)
     save_transformers_model(DistilBertModel, config, folder)
@@ -113,6 +124,7 @@ STAND_INS: dict[str, Callable[[Path], None]] = {
     "cross-encoder-testing/reranker-bert-tiny-gooaq-bce": cross_encoder,
     "cross-encoder-testing/reranker-bert-tiny": cross_encoder,
     "sparse-encoder-testing/splade-bert-tiny-nq": sparse_encoder,
+    "sentence-transformers/static-retrieval-mrl-en-v1": static_embedding,
     "distilbert/distilbert-base-uncased": distilbert,
     "google-bert/bert-base-uncased": bert_tokenizer,
 }

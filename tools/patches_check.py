@@ -1,19 +1,25 @@
 """Check every patch series in patches/ as a maintainer reviewing it would, and print one table.
 
 For each series (a project at a released version), in a fresh tree made of the released sdist with the
-upstream repository's tests/ and docs/ laid over it (from a clone of the repository, when one is given):
+upstream repository's tests/, docs/ and skills/ laid over it (from a clone of the repository, when one is given):
 
 * applies: the patch applies with ``git am --keep-cr`` after the ones before it;
 * own tests: the tests the patch adds or changes (a new test file whole, else its test functions), run before
-  its code change (only its test files applied) in upstream's CI environment, and after it in each environment
-  of the series: for sentence-transformers once without DeepSpeed (upstream's CI installs none) and once with
-  it. A patch of a PR series must have tests, at least one of them must fail before it without DeepSpeed (where
-  upstream's CI runs them), and none may fail after it;
+  its code change (only its test files applied) and after it in each environment of the series: for
+  sentence-transformers once without DeepSpeed as upstream's CI runs them (no DeepSpeed, ``-m "not slow"``) and
+  once with DeepSpeed and the patch's slow tests too (upstream marks every DeepSpeed test slow). A patch of a PR
+  series must have tests and none may fail after it. Before it, without DeepSpeed, at least one must fail, and
+  each one that fails must fail in the test's own run on an assertion or on the error the fix removes: an
+  exception raised in code the patch changes, or a missing attribute the patch adds. A test that errors at setup,
+  fails on an import, or fails on an exception raised outside what the patch changes (an artefact of the test
+  file) proves nothing, and the table shows each failure's line. A test that passes before guards what must not
+  change. A documentation patch (no change to the package) states what its tests show: they pass before and
+  after it;
 * upstream tests: upstream's test files that exercise what the patch changes, found from what they import and
   call (``upstream_test_selection.py``), run in upstream's CI environment before and after the patch, with tiny
   locally built stand-ins for the Hub models of upstream's fixtures (``hub_stand_ins.py``) so that they run
-  offline; the table counts the tests that truly ran (passed or failed, not skipped) and lists any test that
-  passed before and fails after;
+  offline; the table counts the tests that truly ran (passed or failed, not skipped, not errored at setup) and
+  lists any test that passed before and fails after;
 * lint: upstream's own linters on the files the patch touches (sentence-transformers: ruff check, ruff format
   and typos, as its pre-commit runs them; pytorch-metric-learning: black, isort, flake8).
 
@@ -62,8 +68,12 @@ class Series:
     repository_option: str
     package: str  # the package's folder in the tree, below ``src/`` for a src layout
     pull_requests: bool = True  # a PR series: every patch carries tests that fail before it
-    overlay: tuple[str, ...] = ("tests", "docs")
+    #: The repository's folders laid over the sdist, which ships none of them: a patch may touch them too.
+    overlay: tuple[str, ...] = ("tests", "docs", "skills")
     environment: dict = field(default_factory=dict)
+    #: ``-m`` for the pass with DeepSpeed: the slow tests too (every DeepSpeed test is marked slow), not the
+    #: ``custom`` ones, which load third-party models from the Hub.
+    all_tests_marker: str = "not custom"
 
     @property
     def patches(self) -> list[Path]:
@@ -159,7 +169,7 @@ def environment_without(python: Path) -> Path:
 
 
 def overlay(tree: Path, git_dir: Path, series: Series) -> str:
-    """Lay the repository's tests and docs at the release's tag (else its HEAD) over the sdist's tree."""
+    """Lay the series' overlay folders of the repository at the release's tag (else its HEAD) over the sdist's tree."""
     tag = TAGS[series.project].format(version=series.version)
     ref = tag if has_ref(git_dir, tag) else "HEAD"
     for path in series.overlay:
@@ -244,6 +254,39 @@ def hub_cache(series: Series, python: Path) -> Path:
     return cache
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One test's result. ``kind``: "passed"; "failed" (in the test's own run); "error" (at its setup or teardown,
+    or collecting its file: the test did not run); "skipped". A failure's ``exception`` (its type's name),
+    ``message`` and ``frames`` (``(path, line)``, innermost last) are read from its native traceback."""
+
+    kind: str
+    exception: str = ""
+    message: str = ""
+    frames: tuple[tuple[str, int], ...] = ()
+
+
+def parse_traceback(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
+    """``(exception type, first line of its message, frames)`` of the last traceback in a native traceback text."""
+    lines = (text or "").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    lines = lines[starts[-1] :] if starts else lines
+    frames, exception, message = [], "", ""
+    for line in lines:
+        frame = re.match(r'\s*File "(.+?)", line (\d+)', line)
+        if frame:
+            frames.append((frame.group(1), int(frame.group(2))))
+            exception = ""
+        elif frames and not exception and line and not line[0].isspace():
+            name, _, message = line.partition(": ")
+            exception = name.rsplit(".", 1)[-1]
+    if not frames:  # pytest's own report, e.g. of an error collecting a test file: its "E   Error: ..." lines
+        reported = re.search(r"^E\s+([\w.]+): ?(.*)$", "\n".join(lines), flags=re.MULTILINE)
+        if reported:
+            exception, message = reported.group(1).rsplit(".", 1)[-1], reported.group(2)
+    return exception, message.strip(), tuple(frames)
+
+
 def pytest_outcomes(
     series: Series,
     python: Path,
@@ -252,8 +295,8 @@ def pytest_outcomes(
     tag: str,
     cache: Path | None = None,
     options: list[str] | None = None,
-) -> dict[str, str]:
-    """``{test id: "passed" | "failed" | "skipped"}`` for ``files``, run with the tree's package first on the path."""
+) -> dict[str, Outcome]:
+    """``{test id: its Outcome}`` for ``files``, run with the tree's package first on the path."""
     if not files:
         return {}
     report = tree.parent / f"{tag}.xml"
@@ -269,35 +312,114 @@ def pytest_outcomes(
         "-p",
         "no:cacheprovider",
         f"--junitxml={report}",
+        "--tb=native",
         *(options or []),
         *files,
     ]
     subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    if not report.exists():
-        return {file: "failed" for file in files}
+    if not report.exists():  # pytest itself failed: nothing ran
+        return {file: Outcome("error") for file in files}
     outcomes = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        outcomes[name] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+        failure, error = case.find("failure"), case.find("error")
+        if failure is not None:
+            outcomes[name] = Outcome("failed", *parse_traceback(failure.text or failure.get("message", "")))
+        elif error is not None:
+            outcomes[name] = Outcome("error", *parse_traceback(error.text or error.get("message", "")))
+        else:
+            outcomes[name] = Outcome("skipped" if case.find("skipped") is not None else "passed")
     return outcomes
 
 
-def tally(outcomes: dict[str, str]) -> dict[str, int]:
-    return {kind: sum(value == kind for value in outcomes.values()) for kind in ("passed", "failed", "skipped")}
+KINDS = ("passed", "failed", "error", "skipped")
 
 
-def count(outcomes: dict[str, str]) -> str:
+def tally(outcomes: dict[str, Outcome]) -> dict[str, int]:
+    return {kind: sum(outcome.kind == kind for outcome in outcomes.values()) for kind in KINDS}
+
+
+def count(outcomes: dict[str, Outcome]) -> str:
     numbers = tally(outcomes)
-    return f"{numbers['passed']} passed, {numbers['failed']} failed" + (
-        f", {numbers['skipped']} skipped" if numbers["skipped"] else ""
+    return f"{numbers['passed']} passed, {numbers['failed']} failed" + "".join(
+        f", {numbers[kind]} {label}"
+        for kind, label in (("error", "errored at setup"), ("skipped", "skipped"))
+        if numbers[kind]
     )
 
 
-def ran(outcomes: dict[str, str]) -> str:
-    """How many tests truly ran (not skipped), and how many of them passed."""
+def ran(outcomes: dict[str, Outcome]) -> str:
+    """How many tests truly ran (passed or failed: not skipped, not errored at setup), and how many passed."""
     numbers = tally(outcomes)
     return f"{numbers['passed'] + numbers['failed']} ran ({numbers['passed']} passed)"
+
+
+def hunk_lines(patch_text: str) -> dict[str, set[int]]:
+    """``{path: line numbers}`` of the released files that the patch's hunks cover (their old side)."""
+    lines: dict[str, set[int]] = {}
+    path = None
+    for line in patch_text.replace("\r\n", "\n").splitlines():
+        if line.startswith("--- "):
+            path = line[6:] if line.startswith("--- a/") else None
+        hunk = re.match(r"@@ -(\d+)(?:,(\d+))? ", line)
+        if hunk and path:
+            start, length = int(hunk.group(1)), int(hunk.group(2) or 1)
+            lines.setdefault(path, set()).update(range(start, start + max(length, 1)))
+    return lines
+
+
+def added_names(patch_text: str) -> set[str]:
+    """The names the patch's added lines define: functions, methods, attributes and assignments."""
+    added = "\n".join(
+        line[1:] for line in patch_text.splitlines() if line.startswith("+") and not line.startswith("+++")
+    )
+    return set(
+        re.findall(r"^\s*(?:async\s+)?def\s+(\w+)", added, flags=re.MULTILINE)
+        + re.findall(r"^\s*(?:self\.)?(\w+)\s*(?::[^=\n]*)?=", added, flags=re.MULTILINE)
+    )
+
+
+def failure_proof(outcome: Outcome, tree: Path, patch_text: str, package_folder: str) -> str | None:
+    """None where an own test's failure on the released code proves the fix; else why it proves nothing.
+
+    It proves the fix where it fails in the test's own run on an assertion (an ``assert``, ``pytest.raises`` or
+    ``pytest.fail``, an assertion helper), on an exception raised in code the patch changes, or on a missing
+    attribute that the patch adds. An error at setup, an import and an exception raised anywhere else (the test
+    file's own code, or released code the patch leaves as it is) say nothing of the fix.
+    """
+    if outcome.exception in ("ImportError", "ModuleNotFoundError"):
+        return "fails on an import"
+    if outcome.kind == "error":
+        return "errors at setup"
+    if outcome.exception in ("AssertionError", "Failed"):
+        return None
+    if outcome.exception == "AttributeError":
+        missing = re.search(r"has no attribute '(\w+)'", outcome.message)
+        if missing and missing.group(1) in added_names(patch_text):
+            return None
+    package_frames = [
+        (relative, line)
+        for path, line in outcome.frames
+        if (relative := tree_relative(path, tree)) is not None and relative.startswith(package_folder)
+    ]
+    if package_frames and package_frames[-1][1] in hunk_lines(patch_text).get(package_frames[-1][0], set()):
+        return None
+    return f"fails on {outcome.exception or 'an error'} raised outside what the patch changes"
+
+
+def tree_relative(path: str, tree: Path) -> str | None:
+    try:
+        return str(Path(path).resolve().relative_to(tree.resolve()))
+    except ValueError:
+        return None
+
+
+def failure_line(outcome: Outcome, tree: Path) -> str:
+    """Where and how a test failed: its innermost frame in the tree, the exception and its message's first line."""
+    inside = [(relative, line) for path, line in outcome.frames if (relative := tree_relative(path, tree))]
+    where = "{}:{}: ".format(*inside[-1]) if inside else ""
+    message = outcome.message if len(outcome.message) <= 100 else outcome.message[:99] + "…"
+    return f"{where}{outcome.exception or outcome.kind}" + (f": {message}" if message else "")
 
 
 def lint_findings(series: Series, tree: Path, files: list[str]) -> dict[str, int]:
@@ -343,10 +465,56 @@ class PatchResult:
     series: str
     patch: str
     applies: bool = False
-    own: dict[str, tuple[dict | None, dict]] = field(default_factory=dict)  # environment: (before, after)
+    own: dict[str, tuple[dict, dict]] = field(default_factory=dict)  # environment: (before, after)
+    own_failures: list[list[str]] = field(default_factory=list)  # [test, before (failure line), after]
     upstream: tuple[list[str], dict, dict] | None = None  # files, before, after
     lint: str = ""
     problems: list[str] = field(default_factory=list)
+
+
+def changes_package(series: Series, tree: Path, files: list[str]) -> bool:
+    folder = package_folder(series, tree)
+    return any(file.startswith(folder) for file in files)
+
+
+def package_folder(series: Series, tree: Path) -> str:
+    """The package's folder in the patch's paths, e.g. ``src/pytorch_metric_learning/``."""
+    return ("src/" if source_root(tree) != tree else "") + series.package + "/"
+
+
+def own_test_options(index: int, series: Series) -> list[str]:
+    """The own tests' pytest options in the series' ``index``-th environment: upstream CI's markers in the first
+    (its ``addopts``), the slow tests too in the one with DeepSpeed."""
+    return [] if index == 0 else ["-m", series.all_tests_marker]
+
+
+def check_own_tests(series: Series, result: PatchResult, tree: Path, patch_text: str, files: list[str]) -> None:
+    """The rules on a patch's own tests, from their outcomes before and after it in each environment."""
+    (ci_name, (before, _)), *_ = result.own.items()
+    for name, (_, after) in result.own.items():
+        if tally(after)["failed"] or tally(after)["error"]:
+            result.problems.append(f"its tests fail after it ({name})")
+    if not series.pull_requests:
+        return
+    if not before:
+        result.problems.append("no tests of its own")
+    elif not changes_package(series, tree, files):
+        if any(outcome.kind != "passed" for outcome in before.values()):
+            result.problems.append(f"a documentation patch whose tests do not pass before it ({ci_name})")
+    elif not any(outcome.kind in ("failed", "error") for outcome in before.values()):
+        result.problems.append(f"its tests pass before it ({ci_name}): they prove no fix")
+    else:
+        folder = package_folder(series, tree)
+        unproven = {
+            test: why
+            for test, outcome in sorted(before.items())
+            if outcome.kind in ("failed", "error") and (why := failure_proof(outcome, tree, patch_text, folder))
+        }
+        if unproven:
+            result.problems.append(
+                f"{len(unproven)} of its tests fail before it without proving the fix ({ci_name}): "
+                + "; ".join(f"{test} {why}" for test, why in unproven.items())
+            )
 
 
 def check_patch(
@@ -355,11 +523,16 @@ def check_patch(
     result = PatchResult(series.name, patch.name[:4])
     ci_name, ci_python = next(iter(envs.items()))
     files = touched(patch)
+    patch_text = patch.read_text(errors="replace")
     # Its tests on the code before it: only its test files applied.
     run(["git", "apply", "--include=tests/*", str(patch)], tree)
-    own = changed_tests(tree, patch.read_text(errors="replace"))
-    # Before it, in upstream's CI environment only: that is where they must fail.
-    before = pytest_outcomes(series, ci_python, tree, own, f"{patch.stem[:4]}-own-before", cache)
+    own = changed_tests(tree, patch_text)
+    befores = {
+        name: pytest_outcomes(
+            series, python, tree, own, f"{patch.stem[:4]}-own-before-{i}", cache, own_test_options(i, series)
+        )
+        for i, (name, python) in enumerate(envs.items())
+    }
     run(["git", "checkout", "-q", "--", "."], tree)
     run(["git", "clean", "-qfd"], tree)
     lint_before = lint_findings(series, tree, files)
@@ -370,15 +543,22 @@ def check_patch(
         return result
     result.applies = True
     for i, (name, python) in enumerate(envs.items()):
-        after = pytest_outcomes(series, python, tree, own, f"{patch.stem[:4]}-own-after-{i}", cache)
-        result.own[name] = (before if name == ci_name else None, after)
-        if tally(after)["failed"]:
-            result.problems.append(f"its tests fail after it ({name})")
-    if series.pull_requests:
-        if not own:
-            result.problems.append("no tests of its own")
-        elif not tally(before)["failed"]:
-            result.problems.append(f"its tests pass before it ({ci_name}): they prove no fix")
+        after = pytest_outcomes(
+            series, python, tree, own, f"{patch.stem[:4]}-own-after-{i}", cache, own_test_options(i, series)
+        )
+        result.own[name] = (befores[name], after)
+    check_own_tests(series, result, tree, patch_text, files)
+    ci_before, ci_after = result.own[ci_name]
+    for test in sorted(set(ci_before) | set(ci_after)):
+        before = ci_before.get(test)
+        shown = "not run" if before is None else before.kind
+        if before is not None and before.kind in ("failed", "error"):
+            shown = ("fails: " if before.kind == "failed" else "errors: ") + failure_line(before, tree)
+        after = ", ".join(
+            f"{name}: {outcomes[test].kind if test in outcomes else 'not run'}"
+            for name, (_, outcomes) in result.own.items()
+        )
+        result.own_failures.append([test, shown, after])
     if git_dir is not None:
         upstream = upstream_tests_for(series, ci_python, tree, patch, own)
         # Upstream's tests in a file the patch extends are upstream's; the patch's own are counted above.
@@ -391,7 +571,11 @@ def check_patch(
         run(["git", "checkout", "-q", "-"], tree)
         new = pytest_outcomes(series, ci_python, tree, upstream, f"{patch.stem[:4]}-upstream-after", cache, deselected)
         result.upstream = (upstream, old, new)
-        broken = sorted(name for name, value in old.items() if value == "passed" and new.get(name) != "passed")
+        broken = sorted(
+            name
+            for name, value in old.items()
+            if value.kind == "passed" and getattr(new.get(name), "kind", "") != "passed"
+        )
         if broken:
             result.problems.append("newly failing upstream tests: " + ", ".join(broken))
     lint_after = lint_findings(series, tree, files)
@@ -441,7 +625,7 @@ def check_series(
         report(results)
         if not results[-1].applies:
             break
-    note = f"{series.name}: upstream tests and docs from {source}; environments: {', '.join(envs)}"
+    note = f"{series.name}: upstream tests, docs and skills from {source}; environments: {', '.join(envs)}"
     if git_dir is not None and series.pull_requests:
         described, applied = applies_on_newest(series, git_dir)
         note += f"; on the repository's newest commit ({described}) " + ", ".join(
@@ -476,11 +660,19 @@ def write_report(results: list[PatchResult], notes: list[str]) -> str:
         "upstream's lint",
         "verdict",
     ]
+    own_header = ["series", "patch", "own test", "before the patch (failure line)", "after it"]
     table = "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         + ["| " + " | ".join(row(result)) + " |" for result in results]
         + [""]
         + [f"- {note}" for note in notes]
+        + ["", "Each own test before and after its patch (before: without DeepSpeed, as upstream's CI runs it):", ""]
+        + ["| " + " | ".join(own_header) + " |", "|" + "---|" * len(own_header)]
+        + [
+            "| " + " | ".join(cell.replace("|", "\\|") for cell in [result.series, result.patch, *test]) + " |"
+            for result in results
+            for test in result.own_failures
+        ]
     )
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(table + "\n")
