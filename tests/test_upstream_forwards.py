@@ -8,6 +8,8 @@ trainer is built. The same losses on two ranks under DDP, FSDP2 and ZeRO 1-3: ``
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import sentence_transformers
 import torch
@@ -139,3 +141,62 @@ def test_cross_encoder_cached_loss_before_6_keeps_its_own_forward(model_dirs):
     loss_class = archetype_loss_class("cross_encoder", "CachedMultipleNegativesRankingLoss")
     model = st_ext.CrossEncoder(str(model_dirs["classifier"]), num_labels=1, device="cpu")
     assert engine_forward(loss_class(model, mini_batch_size=2)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream's classes that st_ext replaces, handed to st_ext's trainer
+
+
+def pairs_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"anchor": [f"query {i}" for i in range(8)], "positive": [f"text {i}" for i in range(8)]})
+
+
+def st_ext_trainer(model, loss, tmp_path):
+    args = training_args(st_ext.SentenceTransformerTrainingArguments, tmp_path, gradient_checkpointing=False)
+    return st_ext.SentenceTransformerTrainer(model=model, args=args, train_dataset=pairs_dataset(), loss=loss)
+
+
+def test_upstream_wrapper_warns_once_naming_the_import_line_to_change(model, tmp_path, monkeypatch):
+    from st_ext._compat import embedding_dimension, st_losses
+    from st_ext.training import engine_forwards
+
+    monkeypatch.setattr(engine_forwards, "_warned", set())
+    upstream = st_losses()
+    dims = [embedding_dimension(model), 8]
+
+    def wrapped():
+        return upstream.MatryoshkaLoss(
+            model, upstream.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2), dims
+        )
+
+    with pytest.warns(UserWarning) as records:
+        st_ext_trainer(model, wrapped(), tmp_path)
+    messages = [str(record.message) for record in records if "st-ext swap-imports" in str(record.message)]
+    assert len(messages) == 1, messages
+    assert f"`from {upstream.__name__} import MatryoshkaLoss, CachedMultipleNegativesRankingLoss`" in messages[0]
+    assert "`from st_ext.losses import MatryoshkaLoss, CachedMultipleNegativesRankingLoss`" in messages[0]
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        st_ext_trainer(model, wrapped(), tmp_path)
+    assert not [record for record in again if "st-ext swap-imports" in str(record.message)], "once per class"
+
+
+@pytest.mark.parametrize("how", ["bare upstream cached loss", "st_ext wrapper over upstream's cached loss"])
+def test_what_st_ext_runs_as_its_own_class_would_is_not_warned_about(model, tmp_path, monkeypatch, how):
+    from st_ext._compat import embedding_dimension, st_losses
+    from st_ext.training import engine_forwards
+
+    monkeypatch.setattr(engine_forwards, "_warned", set())
+    inner = st_losses().CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+    loss = (
+        inner
+        if how.startswith("bare")
+        else st_ext.losses.MatryoshkaLoss(model, inner, [embedding_dimension(model), 8])
+    )
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        trainer = st_ext_trainer(model, loss, tmp_path)
+    assert not [record for record in records if "st-ext swap-imports" in str(record.message)]
+    assert (id(loss) in trainer.engine_forwards) == how.startswith("bare"), "the bare one runs on st_ext's engine"

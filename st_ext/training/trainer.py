@@ -21,13 +21,17 @@ from torch import nn
 from st_ext import _compat
 from st_ext.gradient_sync import sharded_by_fsdp2
 from st_ext.losses.auto_mini_batch import AutoMiniBatch, auto_mini_batch_of
-from st_ext.losses.cross_batch_memory import restore_memories_for_resume, save_memories
 from st_ext.losses.registry import build_loss
 from st_ext.models import CheckpointingMixin
 from st_ext.scoped_entries import entries_set
 from st_ext.training.ddp import keep_cpu_flag, plain_dict_outputs, swap_model_in_loss
 from st_ext.training.deepspeed import check_deepspeed_setup
-from st_ext.training.engine_forwards import compute_loss_on_engine, engine_forwards, selected_loss
+from st_ext.training.engine_forwards import (
+    compute_loss_on_engine,
+    engine_forwards,
+    selected_loss,
+    warn_upstream_replaced_losses,
+)
 from st_ext.training.frozen_encoders import (
     apply_frozen_encoder_mode,
     each_loss,
@@ -36,6 +40,7 @@ from st_ext.training.frozen_encoders import (
     validate_frozen_encoder_mode,
 )
 from st_ext.training.fsdp_saving import fsdp_hooks_held_back, full_weights_in_place
+from st_ext.training.memory_checkpoints import restore_memories_for_resume, save_memories
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
 _LENT_METHODS = (
@@ -66,6 +71,7 @@ class CheckpointingTrainerMixin:
             super().__init__(*args, **kwargs)
         serve_partitioned_encoders(self.loss, self.model)
         self.engine_forwards = engine_forwards(self.loss)
+        warn_upstream_replaced_losses(type(self).__name__, self.loss, self.engine_forwards)
         check_deepspeed_setup(self.args, self.loss)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
