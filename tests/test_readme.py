@@ -15,6 +15,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [
     "cli.md",
+    "differences.md",
     "every-input.md",
     "checkpointing.md",
     "cached-losses.md",
