@@ -87,9 +87,9 @@ def apply_patch(root: Path, patch: Path) -> None:
     """
     # Outside a repository `git apply` patches the files as they are; keep it from finding an enclosing one.
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
-    # The patches are made for the repositories; released sdists ship no documentation or tests to update (a
-    # patch's tests extend upstream's test files, and `make patches-check` runs them in the repository's tests/).
-    command = ["git", "apply", "--exclude=docs/*", "--exclude=tests/*", str(patch)]
+    # The patches are made for the repositories; released sdists ship no documentation, skills or tests to update
+    # (a patch's tests extend upstream's test files, and `make patches-check` runs them in the repository's tests/).
+    command = ["git", "apply", "--exclude=docs/*", "--exclude=skills/*", "--exclude=tests/*", str(patch)]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise UpstreamSourceError(f"{patch.name} does not apply to {root.name}:\n{result.stderr.strip()}")
