@@ -27,9 +27,10 @@ from transformers import TrainerCallback
 from st_ext import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from st_ext._compat import preprocess
 from st_ext.cli.demo_data import MODULES, stdlib_pairs
-from st_ext.losses.cross_batch_memory import MEMORY_FILENAME, CrossBatchMemoryLoss, load_memories
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
 from st_ext.losses.triplet import BatchAllTripletLoss, batch_all_triplet_counts, triplet_distances
 from st_ext.memory import measure_peak
+from st_ext.training.memory_checkpoints import MEMORY_FILENAME, load_memories
 
 MARGIN = 0.5
 
@@ -116,11 +117,15 @@ def compare_peaks(model, rows: list[dict], batch_size: int, memory_size: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--memory-size", type=int, default=512)
-    parser.add_argument("--output-dir", default="runs/example-triplet-memory")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--max-steps", type=int, default=30, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=16, help="summaries per step")
+    parser.add_argument(
+        "--memory-size", type=int, default=512, help="earlier summaries the memory keeps (embeddings and labels)"
+    )
+    parser.add_argument("--output-dir", default="runs/example-triplet-memory", help="where the trainer writes")
     args = parser.parse_args()
     if args.memory_size <= args.batch_size:
         parser.error("--memory-size must be larger than --batch-size")

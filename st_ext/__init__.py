@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         SentenceTransformer as SentenceTransformer,
         SparseEncoder as SparseEncoder,
     )
+    from st_ext.training.memory_checkpoints import CrossBatchMemoryCallback as CrossBatchMemoryCallback
     from st_ext.training.trainer import (
         CrossEncoderTrainer as CrossEncoderTrainer,
         MultiVectorEncoderTrainer as MultiVectorEncoderTrainer,
@@ -86,13 +87,14 @@ _UPSTREAM_NAMES = (
     "resolve_ids",
     "util",
 )
-#: Each public name and the module it comes from: st_ext's models, trainers and model card data, upstream's
-#: training arguments and other names; ``losses`` and ``models`` are st_ext's own modules.
+#: Each public name and the module it comes from: st_ext's models, trainers, model card data and cross-batch memory
+#: callback, upstream's training arguments and other names; ``losses`` and ``models`` are st_ext's own modules.
 _SOURCES = {
     **{archetype: "st_ext.models" for archetype in _ARCHETYPES},
     **{archetype + "Trainer": "st_ext.training.trainer" for archetype in _ARCHETYPES},
     **{archetype + "TrainingArguments": "sentence_transformers" for archetype in _ARCHETYPES},
     "SentenceTransformerModelCardData": "st_ext.model_card",
+    "CrossBatchMemoryCallback": "st_ext.training.memory_checkpoints",
     **{name: "sentence_transformers" for name in _UPSTREAM_NAMES},
 }
 _SUBMODULES = ("losses", "models")

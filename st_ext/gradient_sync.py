@@ -50,16 +50,12 @@ def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
         return model.no_sync()
     if is_fsdp2_module(model):
         return _fsdp2_gradient_sync(model, sync)
-    if _deepspeed_may_reduce():
+    # DeepSpeed can be reducing this process's gradients only where it is imported and a process group is set up
+    # (``deepspeed.initialize`` sets one up, for one rank too). A process that only imported it (transformers does
+    # when it saves a model, wherever DeepSpeed is installed) has nothing to hold, and marks no parameter.
+    if "deepspeed" in sys.modules and dist.is_available() and dist.is_initialized():
         return _deepspeed_gradient_sync(model, sync)
     return nullcontext()
-
-
-def _deepspeed_may_reduce() -> bool:
-    """Whether DeepSpeed can be reducing this process's gradients: it is imported and a process group is set up
-    (``deepspeed.initialize`` sets one up, for one rank too). A process that only imported it (transformers does
-    when it saves a model, wherever DeepSpeed is installed) has nothing to hold, and marks no parameter."""
-    return "deepspeed" in sys.modules and dist.is_available() and dist.is_initialized()
 
 
 def without_forward_collectives(model: nn.Module) -> AbstractContextManager[None]:

@@ -14,9 +14,8 @@ from loss_checks import features_of, loss_and_grads, text_columns
 
 from st_ext import losses
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
-from st_ext.losses.gradcache import gradcache_forward
+from st_ext.losses.gradcache import CachedLoss, LossStep, gradcache_forward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,7 +83,7 @@ def test_a_loss_over_embeddings_gets_the_resolved_size_as_an_argument(model):
                 total = total + value
             return total
 
-        return LossStep(lambda: loss_fn)
+        return LossStep(lambda source: loss_fn)
 
     auto = make_auto_mini_batch(AUTO, None, 4096)
     value = gradcache_forward(CachedLoss("Blocks", model, start, AUTO, auto=auto), [dict(f) for f in features], None)
@@ -120,12 +119,12 @@ def test_auto_reaches_upstreams_calculate_loss_without_writing_the_loss(model):
     assert loss.calls == [(chosen, [6, 6], AUTO)] and loss.mini_batch_size == AUTO
 
 
-def test_a_memory_hands_its_queue_to_the_wrapped_losss_own_scoring(model):
-    """The wrapped loss's (an overriding subclass's) ``calculate_loss`` scores the queue as one more
-    column of candidates, with its own options; an empty queue adds none."""
-    inner = recording_loss(model, mini_batch_size=2, scale=10.0)
-    memory = CrossBatchMemoryLoss(model, inner, memory_size=16)
-    model.train()
-    memory(features_of(model, text_columns(6, 3, seed=1)), None)
-    memory(features_of(model, text_columns(6, 3, seed=2)), None)
-    assert inner.calls == [(2, [6, 6, 6], 2), (2, [6, 6, 6, 12], 2)]
+@pytest.mark.parametrize("document_ids", [None, "label"])
+def test_a_memory_refuses_a_subclass_whose_scoring_it_would_skip(model, document_ids):
+    """A memory scores every step itself, so an override of upstream's scoring would never run: refused when the
+    memory is built, in one line naming the class and the method; so is ``document_ids`` on such a subclass."""
+    inner = recording_loss(model, mini_batch_size=2)
+    with pytest.raises(TypeError, match=r"^CrossBatchMemoryLoss .*RecordingCachedMNRL's override of calculate_loss"):
+        CrossBatchMemoryLoss(model, inner, memory_size=16, document_ids=document_ids)
+    with pytest.raises(TypeError, match=r"RecordingCachedMNRL with document_ids .*override of calculate_loss"):
+        RecordingCachedMNRL(model, mini_batch_size=2, document_ids="label")

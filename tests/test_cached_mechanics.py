@@ -31,9 +31,8 @@ import st_ext
 from st_ext import _compat, losses
 from st_ext._compat import separate_column_forwards, st_losses, st_modules
 from st_ext.gradient_sync import gradient_sync
-from st_ext.losses.cached_loss import CachedLoss, LossStep
 from st_ext.losses.features import layout_of, slice_rows
-from st_ext.losses.gradcache import gradcache_forward
+from st_ext.losses.gradcache import CachedLoss, LossStep, gradcache_forward
 
 upstream = st_losses()
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -629,7 +628,7 @@ def coupled_loss(model: nn.Module) -> CachedLoss:
             value = value.detach()
         return value
 
-    return CachedLoss("CoupledLoss", model, lambda features, ranges, size: LossStep(lambda: loss_fn), 2)
+    return CachedLoss("CoupledLoss", model, lambda features, ranges, size: LossStep(lambda source: loss_fn), 2)
 
 
 def of_embeddings(columns: list[torch.Tensor]) -> torch.Tensor:

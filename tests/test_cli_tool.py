@@ -285,8 +285,8 @@ def test_the_reference_peak_grows_with_the_batch_and_changes_nothing(tiny_bert_d
     from st_ext import SentenceTransformer
     from st_ext._compat import preprocess
     from st_ext.cli.reference_peak import measure_reference_peak
-    from st_ext.losses.cross_batch_memory import memory_losses
     from st_ext.losses.registry import build_loss
+    from st_ext.training.memory_checkpoints import memory_losses
 
     model = SentenceTransformer(str(tiny_bert_dir), device="cpu")
     rows = [{"anchor": f"{s} {i}", "positive": f"{s} again {i}"} for i, s in enumerate(SENTENCES * 8)]

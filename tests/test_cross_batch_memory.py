@@ -21,16 +21,10 @@ from transformers import TrainerCallback
 from st_ext import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from st_ext._compat import st_losses
 from st_ext.losses import triplet
-from st_ext.losses.cross_batch_memory import (
-    MEMORY_FILENAME,
-    CrossBatchMemoryCallback,
-    CrossBatchMemoryLoss,
-    MemoryBank,
-    MissingMemoryError,
-    document_keys,
-    enqueue,
-    gather_from_ranks,
-)
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+from st_ext.losses.gathering import gather_from_ranks
+from st_ext.losses.memory_bank import MemoryBank, document_keys, enqueue
+from st_ext.training.memory_checkpoints import MEMORY_FILENAME, CrossBatchMemoryCallback, MissingMemoryError
 
 upstream = st_losses()
 BATCH = 6
@@ -537,7 +531,7 @@ def test_wrong_columns_are_explained(model):
 
 
 def test_with_memory_builds_a_registry_style_loss(model):
-    from st_ext.losses.cross_batch_memory import with_memory
+    from st_ext.losses.registry import with_memory
 
     build = with_memory(lambda m, **kwargs: upstream.CachedMultipleNegativesRankingLoss(m, **kwargs))
     loss = build(model, memory_size=64, mini_batch_size=2)

@@ -34,8 +34,7 @@ import st_ext
 from st_ext import _compat, losses
 from st_ext._compat import ST_VERSION, st_losses, st_modules
 from st_ext.gradient_sync import gradient_sync
-from st_ext.losses.cached_loss import CachedLoss, LossStep, described
-from st_ext.losses.gradcache import RngState
+from st_ext.losses.gradcache import CachedLoss, LossStep, RngState, described
 
 try:  # 5.7+: one engine for every cached loss
     from sentence_transformers.base.losses import gradcache as upstream_engine
@@ -477,7 +476,7 @@ class IgnoresSecondColumn(nn.Module):
 
     def cached_loss(self) -> CachedLoss:
         """Its own description for st_ext's engine: ``calculate_loss`` is its loss over embeddings."""
-        return described(self, lambda features, ranges, size: LossStep(lambda: self.calculate_loss))
+        return described(self, lambda features, ranges, size: LossStep(lambda source: self.calculate_loss))
 
     def calculate_loss(self, reps, labels=None, *, with_backward=False):
         value = torch.cat(reps[0]).pow(2).mean()

@@ -15,9 +15,10 @@ from varlen_attention import flattening_supported, make_flattening
 
 from st_ext import losses
 from st_ext._compat import preprocess, st_losses
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
 from st_ext.losses.features import batch_size_of, is_flattened, layout_of, row_keys, select_rows, slice_rows, to_padded
 from st_ext.losses.frozen_encoders import combined_row_keys, decoded_texts
+from st_ext.losses.memory_bank import document_keys
 from st_ext.losses.minibatches import plan_minibatches
 
 pytestmark = [

@@ -78,9 +78,6 @@ LOSS_INSTANCES = {
     "CachedMultipleNegativesSymmetricRankingLoss": lambda m, g: losses.CachedMultipleNegativesSymmetricRankingLoss(
         m, mini_batch_size=4
     ),
-    "CrossBatchMemoryCallback": lambda m, g: losses.CrossBatchMemoryCallback(
-        losses.CrossBatchMemoryLoss(m, cached_mnrl(m), 8)
-    ),
     "CrossBatchMemoryLoss": lambda m, g: losses.CrossBatchMemoryLoss(m, cached_mnrl(m), 8),
     "DistillationLoss": lambda m, g: losses.DistillationLoss(losses.MarginMSELoss(m), g),
     "GISTEmbedLoss": lambda m, g: losses.GISTEmbedLoss(m, g),
@@ -162,3 +159,8 @@ def test_a_trainer_instance_pickles_and_deep_copies_where_upstreams_does(name, r
     assert not isinstance(ours, type), ours
     for twin in ours:
         assert type(twin) is getattr(st_ext, name) and type(twin.model) is type(model)
+
+
+def test_a_memory_callback_instance_pickles_and_deep_copies(model):
+    instance = st_ext.CrossBatchMemoryCallback(losses.CrossBatchMemoryLoss(model, cached_mnrl(model), 8))
+    assert_round_trips(instance, st_ext.CrossBatchMemoryCallback)

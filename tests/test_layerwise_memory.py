@@ -136,15 +136,14 @@ def test_the_queue_is_normalised_like_the_batch_at_every_dimension(model4, wrapp
     assert_losses_agree(model4, build(raw), build(normalised), columns, train=False)
 
 
-@pytest.mark.parametrize(
-    "inner",
-    [
-        lambda model: losses.BatchAllTripletLoss(model),
-        lambda model: losses.MultipleNegativesRankingLoss(model),
-    ],
-    ids=["triplet", "non-cached-mnrl"],
-)
-def test_a_memory_that_cannot_keep_one_queue_per_layer_is_refused(model4, inner):
-    memory = losses.CrossBatchMemoryLoss(model4, inner(model4))
-    with pytest.raises(TypeError, match="CrossBatchMemoryLoss over CachedMultipleNegativesRankingLoss only"):
-        losses.AdaptiveLayerLoss(model4, memory)
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_memory_around_the_uncached_loss_composes_as_around_the_cached_one(model4, wrapper):
+    """Every memory runs on the engine: around MultipleNegativesRankingLoss, in one pass, each layer with its
+    own queue and the queue truncated with the batch, as around the cached loss."""
+    wrap = WRAPPERS[wrapper]
+    cached_memory = memory_over_cached(model4, 3)
+    plain_memory = losses.CrossBatchMemoryLoss(model4, losses.MultipleNegativesRankingLoss(model4), memory_size=64)
+    cached, plain = wrap(model4, cached_memory), wrap(model4, plain_memory)
+    fill(cached, model4, seed=11)
+    plain_memory.load_memory_state(cached_memory.memory_state())
+    assert_losses_agree(model4, cached, plain, text_columns(BATCH, 2), train=False)

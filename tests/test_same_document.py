@@ -18,7 +18,8 @@ from ranking_reference import ranking_loss_by_hand
 
 from st_ext._compat import ST_VERSION, st_losses
 from st_ext.losses import CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss, GISTEmbedLoss, MatryoshkaLoss
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss, document_keys
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
+from st_ext.losses.memory_bank import document_keys
 
 upstream = st_losses()
 BATCH = 6

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_ext.losses.cross_batch_memory import memory_losses
 from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss, known_losses, loss_spec
 from st_ext.memory import measure_peak
 from st_ext.training.frozen_encoders import frozen_encoder_losses
+from st_ext.training.memory_checkpoints import memory_losses
 
 #: What the trained loss's per-step figure and the reference both count.
 FORWARD_BACKWARD = (

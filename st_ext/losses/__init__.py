@@ -57,7 +57,7 @@ from st_ext.losses.cached_ranking import (  # noqa: E402
     CachedMultipleNegativesRankingLoss,
     CachedMultipleNegativesSymmetricRankingLoss,
 )
-from st_ext.losses.cross_batch_memory import CrossBatchMemoryCallback, CrossBatchMemoryLoss  # noqa: E402
+from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss  # noqa: E402
 from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
 from st_ext.losses.matryoshka import MatryoshkaLoss  # noqa: E402
@@ -72,7 +72,6 @@ ST_EXT_LOSSES = [
     "BatchSemiHardTripletLoss",
     "CachedMultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
-    "CrossBatchMemoryCallback",
     "CrossBatchMemoryLoss",
     "CachedGISTEmbedLoss",
     "DistillationLoss",

@@ -84,7 +84,10 @@ def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Cal
 
         @functools.wraps(init)
         def __init__(*args: Any, **kwargs: Any) -> None:
-            bound = signature.bind(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"{upstream_class.__name__}: {error}") from None
             bound.apply_defaults()
             init(**bound.arguments)
 

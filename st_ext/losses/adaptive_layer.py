@@ -14,8 +14,8 @@ its own queue; a memory around a non-cached loss is refused.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -25,10 +25,11 @@ from torch import Tensor, nn
 
 from st_ext._compat import AdaptiveLayerRules, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, follows_upstream_signature, named_like_upstream
-from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
-from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
+from st_ext.losses.features import Features, Ranges
+from st_ext.losses.gradcache import LossStep, StartStep, gradcache_forward
 from st_ext.losses.layer_embeddings import LayerEmbeddings
 from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
 
 _upstream = st_losses()
 
@@ -38,30 +39,33 @@ def all_rows(reps: Reps) -> Tensor:
     return torch.cat([torch.cat(column) for column in reps])
 
 
-class LayerStep:
-    """What one forward pass of a layer-wise loss draws (``choose``, on its first mini-batch), and its
-    loss over ``[final layer's reps, first sampled layer's reps, …]``."""
+class LayerDraws:
+    """What one forward pass of a layer-wise loss draws (``choose``, on its first mini-batch): the final layer's
+    loss function, the layers, and each layer's loss function, each from the wrapped step's ``loss_for``."""
 
-    def __init__(self, wrapper: nn.Module, inner: LossStep, columns: list[Features]) -> None:
+    def __init__(self, wrapper: nn.Module, loss_for: Callable[[Source], LossFn], columns: list[Features]) -> None:
         self.wrapper = wrapper
-        self.inner = inner
+        self.loss_for = loss_for
         self.columns = columns
         self.final_fn: LossFn | None = None
-        #: The sampled layers' (weight, loss over embeddings), in the order drawn.
+        #: The sampled layers' hidden-state indices and (weight, loss function), in the order drawn.
+        self.layers: list[int] = []
         self.prior: list[tuple[float, LossFn]] = []
 
     def choose(self, num_hidden_states: int) -> list[int]:
         """Draw as upstream does: the final layer's call first, then the layers, then each layer's call."""
-        self.final_fn = self.inner.draw()
+        self.final_fn = self.loss_for(None)
         first = AdaptiveLayerRules.first_hidden_state
         num_layers = num_hidden_states - first
         indices = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
+        self.layers = [index + first for index in indices]
         self.prior = [
-            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.inner.draw()) for index in indices
+            (AdaptiveLayerRules.prior_layer_weight(self.wrapper, index), self.loss_for(index + first))
+            for index in indices
         ]
-        return [index + first for index in indices]
+        return self.layers
 
     def loss_from_layers(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
         """The weighted losses of every output (each with the columns a wrapped loss added), and the KL terms
@@ -97,14 +101,17 @@ class LayerStep:
         )
 
 
-def over_layers(description: CachedLoss, wrapper: nn.Module) -> CachedLoss:
-    """``description`` trained at the final layer and at the layers ``wrapper`` draws."""
+@dataclass(frozen=True)
+class LayerwiseStep(LossStep):
+    """A step whose encoder also pools the layers ``draws`` chooses, and whose loss spans all of them."""
 
-    def layered(step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
-        layers = LayerStep(wrapper, step, sentence_features)
-        return replace(step, encoder=LayerEmbeddings(layers.choose), over_outputs=layers.loss_from_layers)
+    draws: LayerDraws | None = None
 
-    return with_loss(description, type(wrapper).__name__, layered)
+    def sources(self) -> list[Source]:
+        return [None, *self.draws.layers]
+
+    def loss(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        return self.draws.loss_from_layers(outputs, labels, with_backward=with_backward)
 
 
 class LayerwiseGradCache:
@@ -119,7 +126,18 @@ class LayerwiseGradCache:
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         if not self.uses_gradient_cache:
             return super().forward(sentence_features, labels)
-        return gradcache_forward(over_layers(as_cached_loss(self.loss), self), sentence_features, labels)
+        inner = as_cached_loss(self.loss)
+        description = replace(inner, name=type(self).__name__, start=partial(self.start_step, inner.start))
+        return gradcache_forward(description, sentence_features, labels)
+
+    def start_step(
+        self, inner_start: StartStep, sentence_features: list[Features], ranges: list[Ranges], mini_batch_size: int
+    ) -> LayerwiseStep:
+        """The wrapped loss's step (``inner_start``'s), trained at the final layer and at the layers drawn on the
+        first mini-batch."""
+        step = inner_start(sentence_features, ranges, mini_batch_size)
+        draws = LayerDraws(self, step.loss_for, sentence_features)
+        return LayerwiseStep(step.loss_for, LayerEmbeddings(draws.choose), step.join, draws)
 
     def cached_loss(self) -> None:
         """None (upstream's implementation runs a wrapper around it) unless it caches, which no wrapper can

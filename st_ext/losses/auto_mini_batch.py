@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from st_ext import checkpointing
 from st_ext._compat import compiled_module
-from st_ext.gradient_sync import gradient_sync, parameters_sharded
+from st_ext.gradient_sync import gradient_sync
 from st_ext.losses.features import ColumnLayout, Features, minibatch_features
 from st_ext.losses.minibatches import Segment, can_merge, plan_minibatches
 from st_ext.memory import measure_peak
@@ -249,7 +249,7 @@ class _Series:
             batches = self._whole_batch() if whole else [self._longest(size)]
             passes = 1 if whole else 2
             began = time.perf_counter()
-            with checkpointed(self.model, self.checkpointed):
+            with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
                 graph_peak, dim, self.meter = _probe_peak(
                     self.model, batches[0], self.device, passes, more=batches[1:]
                 )
@@ -316,7 +316,7 @@ class _Series:
             return None
         rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:half])
         features = minibatch_features(self.sentence_features, self.layouts, rows)
-        with checkpointed(self.model, self.checkpointed):
+        with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
             one, _, _ = _probe_peak(self.model, features, self.device, 2)
             two, _, _ = _probe_peak(self.model, features, self.device, 1, graphs=2)
             held, _, _ = _probe_peak(self.model, features, self.device, 1, backward=False)
@@ -490,38 +490,6 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
         else:
             total += max(nbytes, default=0)
     return total
-
-
-def checkpointed(model: nn.Module, on: bool) -> contextlib.AbstractContextManager:
-    """Gradient checkpointing on in the block where the auto mode chose it (the model is left as it was); the
-    auto mode's probes and the engine's graph passes both switch through here."""
-    return checkpointing.switched_on(model) if on else contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """How this batch is embedded: rows (or tokens) per mini-batch, whether the graph passes checkpoint,
-    and how many mini-batches keep their graph for the backward (the first ones)."""
-
-    size: int
-    num_tokens: int | None = None
-    checkpointing: bool = False
-    kept_graphs: int = 0
-
-
-def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> Sizing:
-    """This batch's :class:`Sizing` for a :class:`~st_ext.losses.cached_loss.CachedLoss`, ``"auto"``
-    resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
-    if loss.mini_batch_size != AUTO:
-        return Sizing(loss.mini_batch_size, loss.mini_batch_num_tokens, kept_graphs=loss.kept_graphs)
-    if parameters_sharded(loss.model):
-        raise ValueError(
-            f"{loss.name}: mini_batch_size='auto' measures each rank on its own, which a model whose "
-            "parameters are sharded across ranks (FSDP, DeepSpeed ZeRO-3) cannot do: every forward pass is a "
-            "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
-        )
-    size = loss.auto.size_for(loss.model, sentence_features, layouts)
-    return Sizing(size, None, loss.auto.choice.checkpointing, loss.auto.choice.kept)
 
 
 def make_auto_mini_batch(

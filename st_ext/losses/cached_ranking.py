@@ -23,9 +23,14 @@ from torch import Tensor, nn
 from st_ext._compat import st_losses, upstream_cached_loss_mixin
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep, Reps, described
-from st_ext.losses.gradcache import Features, batch_size_of, gradcache_forward
-from st_ext.losses.masked_ranking import CandidateIds, check_scoring_options, masked_ranking_loss
+from st_ext.losses.gradcache import CachedLoss, Features, LossStep, batch_size_of, described, gradcache_forward
+from st_ext.losses.loss_functions import Reps
+from st_ext.losses.masked_ranking import (
+    CandidateIds,
+    check_scoring_options,
+    masked_ranking_loss,
+    refuse_scoring_overrides,
+)
 from st_ext.losses.overrides import upstream_hook_overrides
 from st_ext.losses.same_document import NO_DOCUMENT, DocumentIds, batch_document_ids, check_document_ids
 
@@ -78,6 +83,7 @@ class CachedRankingMixin:
                     f"{name} overrides a step of upstream's engine, which knows no document ids: drop document_ids "
                     "or the override."
                 )
+            refuse_scoring_overrides(self, f"{name} with document_ids")
         #: Where each row's document id comes from (:mod:`st_ext.losses.same_document`); None: no masking.
         self.document_ids = document_ids
 
@@ -123,7 +129,7 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
         def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
             return calculate_loss(*((reps, labels) if takes_labels else (reps,)), with_backward=with_backward)
 
-        return LossStep(lambda: loss_fn)
+        return LossStep(lambda source: loss_fn)
 
     return described(loss, start)
 
@@ -144,7 +150,7 @@ def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
                 loss, reps + nothing_queued * 2, ids, chunk_size=mini_batch_size, with_backward=with_backward
             )
 
-        return LossStep(lambda: loss_fn)
+        return LossStep(lambda source: loss_fn)
 
     return described(loss, start)
 

@@ -86,7 +86,10 @@ class ColumnLayout:
     ``token_axis_keys``: padded keys whose second axis is the token axis (trimmed to a slice's width);
     ``lengths``: non-padding tokens per row (None when the features say nothing about padding);
     ``ends``: padded layout, one past each row's last scored token (the width that row needs);
-    ``right_padded``: every row starts at position 0, so padding can be added on the right.
+    ``right_padded``: every row starts at position 0, so padding can be added on the right;
+    ``flattened``: the rows are one sequence of tokens, and ``bounds`` (``offsets``' token axis) where each
+    starts; ``has_media_axes``: some key is cut along an axis of its own (images, videos). Plain data, so that
+    planning mini-batches reads the layout without calling back into this module.
     """
 
     rows: int
@@ -96,18 +99,9 @@ class ColumnLayout:
     lengths: np.ndarray | None = None
     ends: np.ndarray | None = None
     right_padded: bool = False
-
-    @property
-    def flattened(self) -> bool:
-        return TOKEN in self.offsets
-
-    @property
-    def bounds(self) -> np.ndarray | None:
-        return self.offsets.get(TOKEN)
-
-    @property
-    def has_media_axes(self) -> bool:
-        return any(cut not in (ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX) for cut in self.cuts.values())
+    flattened: bool = False
+    bounds: np.ndarray | None = None
+    has_media_axes: bool = False
 
 
 def layout_of(features: Features) -> ColumnLayout:
@@ -148,7 +142,16 @@ def layout_of(features: Features) -> ColumnLayout:
                 "and per-image keys). Rather than guess, the step stops. Use the uncached loss for this model, "
                 "or report the key and the model so a rule can be added."
             )
-    return ColumnLayout(rows, cuts, offsets, frozenset(token_axis_keys), **text)
+    return ColumnLayout(
+        rows,
+        cuts,
+        offsets,
+        frozenset(token_axis_keys),
+        **text,
+        flattened=TOKEN in offsets,
+        bounds=offsets.get(TOKEN),
+        has_media_axes=any(cut not in (ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX) for cut in cuts.values()),
+    )
 
 
 def is_media_key(key: str) -> bool:

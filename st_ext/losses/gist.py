@@ -28,7 +28,6 @@ from st_ext import offload
 from st_ext._compat import all_gather_with_grad, get_rank, preprocess, st_losses
 from st_ext.losses._signatures import card_config, follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import make_auto_mini_batch
-from st_ext.losses.cached_loss import CachedLoss, LossStep, described
 from st_ext.losses.chunked_backward import backward_from_leaves, chunk_leaves, chunk_value
 from st_ext.losses.features import layout_of, slice_rows
 from st_ext.losses.frozen_encoders import (
@@ -46,11 +45,14 @@ from st_ext.losses.frozen_encoders import (
 )
 from st_ext.losses.gathering import gather_from_ranks
 from st_ext.losses.gradcache import (
+    CachedLoss,
     Features,
+    LossStep,
     Ranges,
     Reps,
     batch_size_of,
     chunked_rows,
+    described,
     embeds_with_static_embedding,
     gradcache_forward,
     row_keys,
@@ -578,7 +580,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
                     document_ids=gist_document_ids(self.document_ids, sentence_features, labels),
                 )
 
-            return LossStep(lambda: loss_fn)
+            return LossStep(lambda source: loss_fn)
 
         return described(self, start)
 
@@ -688,6 +690,6 @@ def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
         def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
             return type(loss).calculate_loss(loss, reps, guide_reps, with_backward=with_backward)
 
-        return LossStep(lambda: loss_fn)
+        return LossStep(lambda source: loss_fn)
 
     return described(loss, start)

@@ -17,12 +17,18 @@ mini-batch holds the whole batch, or ``kept_graphs`` covers them all), (1)-(3) b
 plain forward and backward run instead. Frozen encoders (a GIST guide) are embedded once, in (1).
 Everything that belongs to one forward pass is handed to its backward as arguments, so a second
 forward pass cannot corrupt the first.
+
+What the engine runs is a :class:`CachedLoss`: the model, the mini-batch setting, and ``start``, which opens one
+forward pass (a :class:`LossStep`: the loss function of each output, the encoder that makes the outputs, and
+what joins the batch from outside it). st_ext's losses describe themselves (their ``cached_loss()`` method);
+upstream's cached losses are described by :func:`st_ext.losses.loss_descriptions.as_cached_loss`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,10 +37,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import get_device_states
 from tqdm.auto import tqdm
 
+from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
-from st_ext.gradient_sync import gradient_sync, without_forward_collectives
-from st_ext.losses.auto_mini_batch import checkpointed, resolve_mini_batching
-from st_ext.losses.cached_loss import CachedLoss, Encoder, LossFn, Reps
+from st_ext.gradient_sync import gradient_sync, parameters_sharded, without_forward_collectives
+from st_ext.losses.auto_mini_batch import AUTO
 from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_keys: re-exported for the losses)
     ColumnLayout,
     Features,
@@ -45,7 +51,75 @@ from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_
     minibatch_features,
     row_keys,
 )
+from st_ext.losses.loss_functions import BatchJoin, Encoder, LossFn, Reps, Source
 from st_ext.losses.minibatches import MiniBatch, MiniBatchPlan, plan_minibatches
+
+
+@dataclass(frozen=True)
+class LossStep:
+    """One forward pass of a cached loss.
+
+    ``loss_for(source)`` is the loss function of one output; each call draws what the loss draws per call
+    (Matryoshka's dimensions), so a layer-wise loss calls it once per layer, in upstream's order. ``encoder``
+    (None: the model's sentence embedding alone) embeds each mini-batch; ``join`` (None: nothing) adds
+    embeddings from outside the batch. A step whose loss spans several outputs (a layer-wise loss's, the
+    multi-vector loss's) overrides :meth:`loss`.
+    """
+
+    loss_for: Callable[[Source], LossFn]
+    encoder: Encoder | None = None
+    join: BatchJoin | None = None
+
+    def sources(self) -> list[Source]:
+        """Where each output of ``encoder`` comes from (known once the first mini-batch is embedded)."""
+        return [None]
+
+    def loss(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        """The step's loss over every output (each with the columns ``join`` added)."""
+        return self.loss_for(None)(outputs[0], labels, with_backward=with_backward)
+
+
+#: ``start(sentence_features, ranges, mini_batch_size)``: opens one forward pass of a cached loss.
+StartStep = Callable[[list[Features], list[Ranges], int], LossStep]
+
+
+@dataclass(frozen=True)
+class CachedLoss:
+    """A loss over cached embeddings, as the engine runs it.
+
+    ``mini_batch_size`` is a number or ``"auto"`` (resolved by ``auto``, an
+    :class:`~st_ext.losses.auto_mini_batch.AutoMiniBatch`, which also chooses how many graphs to keep);
+    ``kept_graphs``: with a number, how many mini-batches keep their graph for the backward instead of
+    being embedded again (0: every one is). ``start(sentence_features, ranges,
+    mini_batch_size)`` opens a forward pass before any mini-batch is embedded, with each column's
+    mini-batch row ranges (a frozen encoder embeds the same ones) and the size resolved for this batch (a
+    loss that scores its anchors a block at a time uses it as its block).
+    """
+
+    name: str
+    model: nn.Module
+    start: StartStep
+    mini_batch_size: int | str
+    mini_batch_num_tokens: int | None = None
+    auto: Any = None
+    show_progress_bar: bool = False
+    kept_graphs: int = 0
+
+
+def described(loss: Any, start: StartStep) -> CachedLoss:
+    """A loss that keeps a cached loss's usual settings (``model``, ``mini_batch_size``, and where it has
+    them ``mini_batch_num_tokens``, ``auto_mini_batch``, ``show_progress_bar``, ``kept_graphs``), with
+    ``start``."""
+    return CachedLoss(
+        name=type(loss).__name__,
+        model=loss.model,
+        start=start,
+        mini_batch_size=loss.mini_batch_size,
+        mini_batch_num_tokens=getattr(loss, "mini_batch_num_tokens", None),
+        auto=getattr(loss, "auto_mini_batch", None),
+        show_progress_bar=getattr(loss, "show_progress_bar", False),
+        kept_graphs=getattr(loss, "kept_graphs", None) or 0,
+    )
 
 
 class RngState:
@@ -248,42 +322,66 @@ def _joined(pieces: list[list[list[Tensor]]]) -> list[list[Tensor]]:
     return [[parts[0] if len(parts) == 1 else torch.cat(parts) for parts in per_output] for per_output in pieces]
 
 
+def checkpointed(model: nn.Module, on: bool) -> AbstractContextManager:
+    """Gradient checkpointing on in the block where the auto mode chose it (the model is left as it was)."""
+    return checkpointing.switched_on(model) if on else nullcontext()
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How this batch is embedded: rows (or tokens) per mini-batch, whether the graph passes checkpoint,
+    and how many mini-batches keep their graph for the backward (the first ones)."""
+
+    size: int
+    num_tokens: int | None = None
+    checkpointing: bool = False
+    kept_graphs: int = 0
+
+
+def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> Sizing:
+    """This batch's :class:`Sizing` for a :class:`~st_ext.losses.gradcache.CachedLoss`, ``"auto"``
+    resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
+    if loss.mini_batch_size != AUTO:
+        return Sizing(loss.mini_batch_size, loss.mini_batch_num_tokens, kept_graphs=loss.kept_graphs)
+    if parameters_sharded(loss.model):
+        raise ValueError(
+            f"{loss.name}: mini_batch_size='auto' measures each rank on its own, which a model whose "
+            "parameters are sharded across ranks (FSDP, DeepSpeed ZeRO-3) cannot do: every forward pass is a "
+            "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
+        )
+    size = loss.auto.size_for(loss.model, sentence_features, layouts)
+    return Sizing(size, None, loss.auto.choice.checkpointing, loss.auto.choice.kept)
+
+
 def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
-    """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.cached_loss.CachedLoss`) and return a
+    """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.gradcache.CachedLoss`) and return a
     loss whose ``backward()`` runs step (3) (or, when every mini-batch keeps its graph, the plain loss with
     its graph)."""
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
     plan = plan_minibatches(sentence_features, layouts, batching.size, batching.num_tokens)
+    grad_enabled = torch.is_grad_enabled()
+    kept = len(plan.minibatches) if plan.single_pass else min(batching.kept_graphs, len(plan.minibatches))
+    kept = kept if grad_enabled else 0
+    kept_plan, replayed_plan = plan.split(kept)
     # Before the passes that embed the features (the auto mode's probes embed copies): the loss and its frozen
     # encoders read them before a module edits them in place.
     step = loss.start(sentence_features, plan.column_ranges(), batching.size)
     encoder = step.encoder or sentence_embedding
 
-    def sources() -> list:
-        return [None, *(getattr(encoder, "layers", None) or [])]
-
     def loss_over(outputs: list[Reps], *, with_backward: bool) -> Tensor:
-        extra = step.candidates(sources(), outputs)
-        outputs = [reps + added for reps, added in zip(outputs, extra)]
-        if step.over_outputs is not None:
-            return step.over_outputs(outputs, labels, with_backward=with_backward)
-        return step.draw()(outputs[0], labels, with_backward=with_backward)
+        return step.loss(_with_joined(step, outputs), labels, with_backward=with_backward)
 
     def finished(outputs: list[Reps], value: Tensor) -> Tensor:
-        step.finish(sources(), outputs)
+        if step.join is not None:
+            step.join.after_step(step.sources(), outputs, labels)
         return value
 
-    grad_enabled = torch.is_grad_enabled()
-    kept = len(plan.minibatches) if plan.single_pass else min(batching.kept_graphs, len(plan.minibatches))
     if grad_enabled and kept == len(plan.minibatches):
         with checkpointed(loss.model, batching.checkpointing):
             outputs, _ = embed_minibatches(loss.model, sentence_features, plan, keep_rng=False, encoder=encoder)
         return finished(outputs, loss_over(outputs, with_backward=False))
-    if not grad_enabled:
-        kept = 0
-    kept_plan, replayed_plan = plan.split(kept)
     embed = partial(
         embed_minibatches,
         loss.model,
@@ -329,6 +427,14 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
     return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
 
 
+def _with_joined(step: LossStep, outputs: list[Reps]) -> list[Reps]:
+    """Each output's reps with the columns its step's join adds for its source (the loss sees them; the join,
+    after the step, gets the outputs without them)."""
+    if step.join is None:
+        return outputs
+    return [reps + step.join.columns(source, reps[0][0]) for source, reps in zip(step.sources(), outputs)]
+
+
 def _concatenated(first: list[Reps], then: list[Reps]) -> list[Reps]:
     """Two runs of mini-batches' outputs (``outputs[output][column][mini_batch]``) as one, in order."""
     if not first or not then:
@@ -349,27 +455,6 @@ class _ReplayOnBackward(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None]:
         ctx.replay(grad_output)
         return None, None
-
-
-def weighted_term(loss_fn: LossFn, reps: Reps, labels: Tensor | None, weight: float, *, with_backward: bool) -> Tensor:
-    """``weight * loss_fn(reps, labels)``, one term of a weighted sum. With ``with_backward``, ``loss_fn``
-    back-propagates into leaves of its own and ``weight`` times their gradient is carried on into ``reps``
-    (through the graph that made them, e.g. a truncation); the value comes back detached. Columns that need
-    no gradient (a queue of earlier embeddings) are handed on as they are.
-    """
-    if not with_backward:
-        return loss_fn(reps, labels, with_backward=False) * weight
-    leaves = [[rep.detach().requires_grad_(rep.requires_grad) for rep in column] for column in reps]
-    value = loss_fn(leaves, labels, with_backward=True)
-    pairs = [
-        (rep, leaf.grad * weight)
-        for rep_column, leaf_column in zip(reps, leaves)
-        for rep, leaf in zip(rep_column, leaf_column)
-        if leaf.grad is not None
-    ]
-    if pairs:
-        torch.autograd.backward([rep for rep, _ in pairs], [grad for _, grad in pairs])
-    return value.detach() * weight
 
 
 def chunked_rows(batch_size: int, chunk_size: int) -> Iterator[tuple[int, int]]:

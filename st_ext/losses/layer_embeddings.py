@@ -29,7 +29,7 @@ def hidden_states_on(transformer: nn.Module) -> Iterator[None]:
 
 
 class LayerEmbeddings:
-    """:data:`~st_ext.losses.cached_loss.Encoder` giving ``[sentence embedding, embedding from layer a, …]``.
+    """:data:`~st_ext.losses.loss_functions.Encoder` giving ``[sentence embedding, embedding from layer a, …]``.
 
     The hidden-state indices are chosen on the first call by ``choose(num_hidden_states)`` (layers + 1);
     every later call (the other mini-batches, step (3)'s replay) embeds the same ones.

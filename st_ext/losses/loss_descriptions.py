@@ -1,4 +1,4 @@
-"""Which losses st_ext's GradCache engine can run, described (:class:`~st_ext.losses.cached_loss.CachedLoss`).
+"""Which losses st_ext's GradCache engine can run, described (:class:`~st_ext.losses.gradcache.CachedLoss`).
 
 st_ext's losses describe themselves: their ``cached_loss()`` method (None: not on st_ext's engine; an
 error: no wrapper can run it). Upstream's cached losses are described here, in one function; a
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from st_ext._compat import upstream_cached_loss_mixin, upstream_loss_class
-from st_ext.losses.cached_loss import CachedLoss
 from st_ext.losses.cached_ranking import upstream_cached_loss
 from st_ext.losses.gist import upstream_cached_gist
+from st_ext.losses.gradcache import CachedLoss
 from st_ext.losses.overrides import upstream_hook_overrides
 
 #: Upstream's cached ranking losses, described by their ``calculate_loss``; a subclass first (6.x's symmetric

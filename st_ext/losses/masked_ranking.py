@@ -18,16 +18,17 @@ direction, except the anchor's own positive and, in ``doc_to_query``, the anchor
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from st_ext._compat import all_gather_with_grad, get_rank
-from st_ext.losses.cached_loss import Reps
+from st_ext._compat import all_gather_with_grad, get_rank, upstream_loss_class
 from st_ext.losses.chunked_backward import backward_from_leaves, chunk_leaves, chunk_value
 from st_ext.losses.gathering import gather_from_ranks
 from st_ext.losses.gradcache import chunked_rows
+from st_ext.losses.loss_functions import Reps
 from st_ext.losses.same_document import NO_DOCUMENT, same_document
 
 #: The directions this scoring knows (upstream's four).
@@ -63,6 +64,33 @@ def check_scoring_options(loss: nn.Module, owner: str) -> None:
             f"{owner} does not support hardness_mode/hardness_strength (masked and queued candidates carry no "
             "hardness weighting): leave them at their defaults."
         )
+
+
+#: Where upstream's ranking losses score their candidates: what this scoring stands in for. The uncached loss
+#: scores inside ``forward`` on releases without ``compute_loss_from_embeddings`` (4.x).
+SCORING_METHODS = {
+    "CachedMultipleNegativesRankingLoss": ("calculate_loss",),
+    "MultipleNegativesRankingLoss": ("compute_loss_from_embeddings", "forward"),
+}
+
+
+def refuse_scoring_overrides(loss: nn.Module, owner: str) -> None:
+    """Refuse, at construction, a subclass whose own scoring this function would skip on every batch."""
+    for class_name, methods in SCORING_METHODS.items():
+        upstream_class = upstream_loss_class(class_name)
+        if upstream_class is None or not isinstance(loss, upstream_class):
+            continue
+        overridden = [
+            name
+            for name in methods
+            if inspect.getattr_static(type(loss), name, None) is not inspect.getattr_static(upstream_class, name, None)
+        ]
+        if overridden:
+            raise TypeError(
+                f"{owner} scores the candidates itself, so {type(loss).__name__}'s override of "
+                f"{', '.join(overridden)} would never run: drop the override, or the option."
+            )
+        return
 
 
 def masked_ranking_loss(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from st_ext._compat import loss_model, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, named_like_upstream
-from st_ext.losses.cached_loss import CachedLoss, LossStep, with_loss
-from st_ext.losses.gradcache import Features, LossFn, Reps, gradcache_forward, weighted_term
+from st_ext.losses.features import Features, Ranges
+from st_ext.losses.gradcache import CachedLoss, LossStep, StartStep, gradcache_forward
 from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
 
 _upstream = st_losses()
 
@@ -109,19 +110,22 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         loss's dimensions."""
         if not self._on_st_ext_engine:
             return None
-        return with_loss(as_cached_loss(self.loss), type(self).__name__, self._over_dimensions)
+        inner = as_cached_loss(self.loss)
+        return replace(inner, name=type(self).__name__, start=partial(self.start_step, inner.start))
 
-    def _over_dimensions(
-        self, step: LossStep, sentence_features: list[Features], ranges, mini_batch_size: int
+    def start_step(
+        self, inner_start: StartStep, sentence_features: list[Features], ranges: list[Ranges], mini_batch_size: int
     ) -> LossStep:
-        """The wrapped loss's step, its dimensions drawn per call of its loss over embeddings (per layer, under
-        a layer-wise loss)."""
+        """The wrapped loss's step (``inner_start``'s), with the loss function of each output at this loss's
+        dimensions."""
+        step = inner_start(sentence_features, ranges, mini_batch_size)
+        return replace(step, loss_for=partial(self.loss_at_dimensions, step.loss_for))
 
-        def draw() -> LossFn:
-            dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
-            return partial(matryoshka_loss_from_embeddings, step.draw(), dims_weights=dims_weights)
-
-        return replace(step, draw=draw)
+    def loss_at_dimensions(self, inner_loss_for: Callable[[Source], LossFn], source: Source) -> LossFn:
+        """The wrapped loss function of ``source``'s output at the dimensions drawn for this call (per layer,
+        under a layer-wise loss)."""
+        dims_weights = dims_for_step(self.matryoshka_dims, self.matryoshka_weights, self.n_dims_per_step)
+        return partial(matryoshka_loss_from_embeddings, inner_loss_for(source), dims_weights=dims_weights)
 
 
 def _check_inner_loss(model: nn.Module, loss: Any) -> None:

@@ -17,7 +17,7 @@ from st_ext.losses.cached_ranking import (
     CachedMultipleNegativesRankingLoss,
     CachedMultipleNegativesSymmetricRankingLoss,
 )
-from st_ext.losses.cross_batch_memory import with_memory
+from st_ext.losses.cross_batch_memory import DEFAULT_MEMORY_SIZE, CrossBatchMemoryLoss
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss
 from st_ext.losses.matryoshka import MatryoshkaLoss
 from st_ext.losses.triplet import BatchAllTripletLoss, BatchHardTripletLoss, BatchSemiHardTripletLoss
@@ -51,6 +51,28 @@ class LossSpec:
 def _upstream(class_name: str) -> Callable[..., nn.Module]:
     """A builder for an upstream loss, looked up when called (the namespace moved between releases)."""
     return lambda model, **kwargs: getattr(st_losses(), class_name)(model, **kwargs)
+
+
+def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """A builder ``(model, memory_size=..., mask_own_positive=..., query_bank=..., **loss_kwargs)`` of
+    ``build_loss(model, **loss_kwargs)`` wrapped in a CrossBatchMemoryLoss: the shape of a loss registry entry."""
+
+    def build(
+        model: nn.Module,
+        memory_size: int = DEFAULT_MEMORY_SIZE,
+        mask_own_positive: bool = True,
+        query_bank: bool = False,
+        **loss_kwargs: Any,
+    ) -> CrossBatchMemoryLoss:
+        return CrossBatchMemoryLoss(
+            model,
+            build_loss(model, **loss_kwargs),
+            memory_size,
+            mask_own_positive=mask_own_positive,
+            query_bank=query_bank,
+        )
+
+    return build
 
 
 BASE_LOSSES: dict[str, LossSpec] = {

@@ -36,9 +36,9 @@ from st_ext._compat import (
     unwrapped_model,
 )
 from st_ext.losses.auto_mini_batch import AUTO, AutoMiniBatch, make_auto_mini_batch
-from st_ext.losses.cached_loss import LossStep, Reps, described
-from st_ext.losses.gradcache import Features, gradcache_forward
+from st_ext.losses.gradcache import Features, LossStep, described, gradcache_forward
 from st_ext.losses.loss_descriptions import upstream_description
+from st_ext.losses.loss_functions import Reps
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def splade_forward(
     """``CachedSpladeLoss``'s value on st_ext's engine, as its forward returns it: each term of the loss, the
     first adjusted so that the terms sum to the engine's total, which alone carries the gradient. Its loss
     reads no mini-batch size and records its terms on the instance it runs on: this one."""
-    description = described(loss, lambda *step_settings: LossStep(lambda: loss.calculate_loss))
+    description = described(loss, lambda *step_settings: LossStep(lambda source: loss.calculate_loss))
     total = gradcache_forward(replace(description, auto=auto), sentence_features, labels)
     values = splade_component_values(loss)
     first = next(iter(values))
@@ -153,7 +153,7 @@ def cross_encoder_forward(
                 value = value.detach()
             return value
 
-        return LossStep(lambda: loss_fn, encoder=_pair_scores)
+        return LossStep(lambda source: loss_fn, encoder=_pair_scores)
 
     return gradcache_forward(described(loss, start), [features], labels)
 
@@ -171,14 +171,20 @@ def multi_vector_forward(loss: nn.Module, sentence_features: list[Features], lab
     ]
 
     def start(sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
-        def over_outputs(outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
-            embeddings, masks = outputs
-            masks = [[mask.detach().bool() for mask in column] for column in masks]
-            return loss.calculate_loss(embeddings, masks, with_backward=with_backward)
-
-        return LossStep(lambda: over_outputs, encoder=_token_embeddings_and_masks, over_outputs=over_outputs)
+        return TokenEmbeddingsStep(lambda source: loss.calculate_loss, encoder=_token_embeddings_and_masks)
 
     return gradcache_forward(described(loss, start), sentence_features, labels)
+
+
+@dataclass(frozen=True)
+class TokenEmbeddingsStep(LossStep):
+    """A step of the multi-vector loss: its encoder gives each mini-batch's token embeddings and scoring mask,
+    and its loss (``loss_for``'s: upstream's ``calculate_loss``) takes both."""
+
+    def loss(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
+        embeddings, masks = outputs
+        masks = [[mask.detach().bool() for mask in column] for column in masks]
+        return self.loss_for(None)(embeddings, masks, with_backward=with_backward)
 
 
 def _token_embeddings_and_masks(model: nn.Module, features: Features) -> list[Tensor]:
