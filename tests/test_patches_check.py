@@ -18,8 +18,15 @@ from patches_check import Series, check_patch, pytest_outcomes, ran  # noqa: E40
 
 RELEASED = {
     "pkg/__init__.py": """\
+import math
+
+
 def add(a, b):
     return a - b
+
+
+def root(value):
+    return math.sqrt(value)
 
 
 def check(value):
@@ -129,12 +136,19 @@ def test_three(three):
     assert len(found) == 1 and "errors at setup" in found[0]
 
 
-def test_a_failure_raised_in_code_the_patch_leaves_proves_nothing(tmp_path: Path) -> None:
-    """``check`` raises on the released ``add``'s result, in code the patch does not change: the test asserts
-    nothing of the fix."""
-    test = "from pkg import add, check\n\n\ndef test_add():\n    check(add(1, 2))\n"
+def test_a_failure_raised_by_a_library_in_code_the_patch_leaves_proves_nothing(tmp_path: Path) -> None:
+    """``math.sqrt``, called by ``root``, which the patch does not change, raises on the released ``add``'s result:
+    the test asserts nothing of the fix (as a test that fails on an input it built wrongly)."""
+    test = "from pkg import add, root\n\n\ndef test_add():\n    root(add(1, 2))\n"
     found = problems(tmp_path, {"pkg/__init__.py": FIXED, "tests/test_add.py": test})
     assert len(found) == 1 and "fails on ValueError raised outside what the patch changes" in found[0]
+
+
+def test_an_error_the_package_raises_itself_proves_the_fix(tmp_path: Path) -> None:
+    """``check``, which the patch does not change, raises its own error on the released ``add``'s result: the
+    behaviour the fix removes."""
+    test = "from pkg import add, check\n\n\ndef test_add():\n    check(add(1, 2))\n"
+    assert problems(tmp_path, {"pkg/__init__.py": FIXED, "tests/test_add.py": test}) == []
 
 
 def test_the_error_the_fix_removes_proves_it(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ upstream repository's tests/, docs/ and skills/ laid over it (from a clone of th
   once with DeepSpeed and the patch's slow tests too (upstream marks every DeepSpeed test slow). A patch of a PR
   series must have tests and none may fail after it. Before it, without DeepSpeed, at least one must fail, and
   each one that fails must fail in the test's own run on an assertion or on the error the fix removes: an
-  exception raised in code the patch changes, or a missing attribute the patch adds. A test that errors at setup,
+  exception raised in code the patch changes, one the package raises itself, or a missing attribute the patch
+  adds. A test that errors at setup,
   fails on an import, or fails on an exception raised outside what the patch changes (an artefact of the test
   file) proves nothing, and the table shows each failure's line. A test that passes before guards what must not
   change. A documentation patch (no change to the package) states what its tests show: they pass before and
@@ -258,15 +259,15 @@ def hub_cache(series: Series, python: Path) -> Path:
 class Outcome:
     """One test's result. ``kind``: "passed"; "failed" (in the test's own run); "error" (at its setup or teardown,
     or collecting its file: the test did not run); "skipped". A failure's ``exception`` (its type's name),
-    ``message`` and ``frames`` (``(path, line)``, innermost last) are read from its native traceback."""
+    ``message`` and ``frames`` (``(path, line, code)``, innermost last) are read from its native traceback."""
 
     kind: str
     exception: str = ""
     message: str = ""
-    frames: tuple[tuple[str, int], ...] = ()
+    frames: tuple[tuple[str, int, str], ...] = ()
 
 
-def parse_traceback(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
+def parse_traceback(text: str) -> tuple[str, str, tuple[tuple[str, int, str], ...]]:
     """``(exception type, first line of its message, frames)`` of the last traceback in a native traceback text."""
     lines = (text or "").splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
@@ -275,8 +276,10 @@ def parse_traceback(text: str) -> tuple[str, str, tuple[tuple[str, int], ...]]:
     for line in lines:
         frame = re.match(r'\s*File "(.+?)", line (\d+)', line)
         if frame:
-            frames.append((frame.group(1), int(frame.group(2))))
+            frames.append((frame.group(1), int(frame.group(2)), ""))
             exception = ""
+        elif frames and not frames[-1][2] and line.strip() and line[0].isspace():  # the frame's line of code
+            frames[-1] = (*frames[-1][:2], line.strip())
         elif frames and not exception and line and not line[0].isspace():
             name, _, message = line.partition(": ")
             exception = name.rsplit(".", 1)[-1]
@@ -383,9 +386,11 @@ def failure_proof(outcome: Outcome, tree: Path, patch_text: str, package_folder:
     """None where an own test's failure on the released code proves the fix; else why it proves nothing.
 
     It proves the fix where it fails in the test's own run on an assertion (an ``assert``, ``pytest.raises`` or
-    ``pytest.fail``, an assertion helper), on an exception raised in code the patch changes, or on a missing
-    attribute that the patch adds. An error at setup, an import and an exception raised anywhere else (the test
-    file's own code, or released code the patch leaves as it is) say nothing of the fix.
+    ``pytest.fail``, an assertion helper), on an exception raised in code the patch changes, on one the package
+    raises itself (a ``raise`` of its own: the released behaviour the fix removes), or on a missing attribute that
+    the patch adds. An error at setup, an import and an exception raised anywhere else (the test file's own code,
+    or a library that released code the patch leaves as it is calls, as on an input the test built wrongly) say
+    nothing of the fix.
     """
     if outcome.exception in ("ImportError", "ModuleNotFoundError"):
         return "fails on an import"
@@ -398,11 +403,14 @@ def failure_proof(outcome: Outcome, tree: Path, patch_text: str, package_folder:
         if missing and missing.group(1) in added_names(patch_text):
             return None
     package_frames = [
-        (relative, line)
-        for path, line in outcome.frames
+        (relative, line, code)
+        for path, line, code in outcome.frames
         if (relative := tree_relative(path, tree)) is not None and relative.startswith(package_folder)
     ]
     if package_frames and package_frames[-1][1] in hunk_lines(patch_text).get(package_frames[-1][0], set()):
+        return None
+    innermost = outcome.frames[-1] if outcome.frames else None
+    if package_frames and innermost[1:] == package_frames[-1][1:] and re.match(r"raise\b", innermost[2]):
         return None
     return f"fails on {outcome.exception or 'an error'} raised outside what the patch changes"
 
@@ -416,7 +424,7 @@ def tree_relative(path: str, tree: Path) -> str | None:
 
 def failure_line(outcome: Outcome, tree: Path) -> str:
     """Where and how a test failed: its innermost frame in the tree, the exception and its message's first line."""
-    inside = [(relative, line) for path, line in outcome.frames if (relative := tree_relative(path, tree))]
+    inside = [(relative, line) for path, line, _ in outcome.frames if (relative := tree_relative(path, tree))]
     where = "{}:{}: ".format(*inside[-1]) if inside else ""
     message = outcome.message if len(outcome.message) <= 100 else outcome.message[:99] + "…"
     return f"{where}{outcome.exception or outcome.kind}" + (f": {message}" if message else "")
@@ -650,7 +658,7 @@ def row(result: PatchResult) -> list[str]:
     return [result.series, result.patch, "yes" if result.applies else "no", own, upstream, result.lint, verdict]
 
 
-def write_report(results: list[PatchResult], notes: list[str]) -> str:
+def write_report(results: list[PatchResult], notes: list[str], path: Path = REPORT) -> str:
     header = [
         "series",
         "patch",
@@ -674,8 +682,8 @@ def write_report(results: list[PatchResult], notes: list[str]) -> str:
             for test in result.own_failures
         ]
     )
-    REPORT.parent.mkdir(exist_ok=True)
-    REPORT.write_text(table + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table + "\n")
     return table
 
 
@@ -685,6 +693,7 @@ def main() -> int:
     parser.add_argument("--pml-repo", default="https://github.com/KevinMusgrave/pytorch-metric-learning")
     parser.add_argument("--series", nargs="*", help="names of series to check (default: all)")
     parser.add_argument("--patches", nargs="*", help="numbers of the patches to check, e.g. 0003 (default: all)")
+    parser.add_argument("--report", type=Path, default=REPORT, help=f"where to write the table (default: {REPORT})")
     args = parser.parse_args()
     results: list[PatchResult] = []
     notes: list[str] = []
@@ -696,11 +705,11 @@ def main() -> int:
             series,
             getattr(args, series.repository_option),
             args.patches,
-            lambda partial: write_report(results + partial, notes),
+            lambda partial: write_report(results + partial, notes, args.report),
         )
         results += checked
         notes.append(note)
-    print(write_report(results, notes))
+    print(write_report(results, notes, args.report))
     return 0 if all(not result.problems for result in results) else 1
 
 
