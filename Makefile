@@ -102,8 +102,12 @@ BENCH_QUALITY_ARGS ?=
 bench-quality: $(VENV)/st6/.ready
 	$(VENV)/st6/bin/python benchmarks/bench_quality.py $(BENCH_QUALITY_ARGS)
 
+# What the targets and the examples build: the environments and their outputs under runs/ (runs/patches-check.md
+# is tracked and stays).
+BUILT_RUNS := runs/st-ext runs/example-* runs/bench-quality runs/gpu-report runs/test-matrix.md
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(BUILT_RUNS)
 
 # On a machine with one CUDA GPU and no network (docs/measuring.md, "Measuring on a GPU"): one part per command,
 # `make gpu-report PART=1` ... `PART=7` (PART=2 is 2a-2d; each piece under 8 minutes on an H100), or PART=all.

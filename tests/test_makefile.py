@@ -3,6 +3,7 @@ needs, every install is pinned, and the torch build comes from the index the use
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,3 +57,15 @@ def test_the_tests_print_why_each_skipped_test_was_skipped():
 def test_the_quality_benchmark_runs_in_the_tested_environment():
     recipe = make("-n", "bench-quality", "BENCH_QUALITY_ARGS=--hard-negatives").stdout
     assert ".venv/st6/bin/python benchmarks/bench_quality.py --hard-negatives" in recipe
+
+
+def test_clean_removes_what_the_targets_built_and_no_tracked_file():
+    recipe = make("-n", "clean").stdout.split()
+    assert recipe[:2] == ["rm", "-rf"], recipe
+    removed = recipe[2:]
+    assert ".venv" in removed and "runs/st-ext" in removed, removed
+    assert "runs" not in removed and "runs/" not in removed, "runs/ holds tracked files"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for target in removed:
+        hits = [f for f in tracked if fnmatch.fnmatch(f, target) or fnmatch.fnmatch(f, target.rstrip("/") + "/*")]
+        assert not hits, f"make clean would delete tracked {hits} ({target})"

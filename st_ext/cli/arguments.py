@@ -6,6 +6,7 @@ YAML or JSON file, whose settings become the parser's defaults, so flags win ove
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import types
 import typing
@@ -38,6 +39,41 @@ class TrainParser(HfArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every setting)\n")
 
 
+class OneSpellingFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that names each flag once, as the docs spell it (``--anchor-column``); the parser also takes the
+    ``--anchor_column`` spelling HfArgumentParser adds, so scripts written for either keep working."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        spellings = [flag for flag in action.option_strings if "_" not in flag]
+        if spellings and len(spellings) < len(action.option_strings):
+            action = copy.copy(action)
+            action.option_strings = spellings
+        return super()._format_action_invocation(action)
+
+
+class ShowTrainerHelp(argparse.Action):
+    """``--help-trainer``: the help with the Trainer's arguments too, which ``--help`` leaves out."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if action.dest in trainer_field_names() and action.help == argparse.SUPPRESS:
+                action.help = getattr(action, "trainer_help", None)
+        parser.print_help()
+        parser.exit()
+
+
+def hide_trainer_options(parser: argparse.ArgumentParser) -> None:
+    """``--help`` lists st_ext's settings; the Trainer's ~120 arguments are behind ``--help-trainer``."""
+    own = set(TrainConfig.field_names()) | set(ALIASES.values())
+    for action in parser._actions:
+        if action.dest in trainer_field_names() and action.dest not in own and action.option_strings:
+            action.trainer_help = action.help
+            action.help = argparse.SUPPRESS
+
+
 def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumentParser:
     """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults. Flags must be
     spelt in full: among ~130 settings a prefix such as ``--anchor_colum`` would silently become another."""
@@ -45,10 +81,12 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
         (TrainConfig, SentenceTransformerTrainingArguments),
         prog="st-ext train",
         allow_abbrev=False,
+        usage="st-ext train [options]",
+        formatter_class=OneSpellingFormatter,
         description=(
-            "st_ext's settings come first, then every argument of sentence-transformers' Trainer (checkpoints, "
-            "resume, warmup, bf16, accumulation, report_to, ...). Each is also a key of the --config file "
-            "(with _ for -); flags win over the file."
+            "st_ext's settings, below; every argument of sentence-transformers' Trainer (checkpoints, resume, "
+            "warmup, bf16, accumulation, report_to, ...) is a flag too: `st-ext train --help-trainer` lists them. "
+            "Each is also a key of the --config file (with _ for -); flags win over the file."
         ),
     )
     # HfArgumentParser parses Union[int, str] as int; the mini-batch size may also be 'auto'.
@@ -78,6 +116,10 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
         help="also print what goes to metrics.json only (the guide's release report) and transformers' "
         "loading and saving progress bars",
     )
+    parser.add_argument(
+        "--help-trainer", action=ShowTrainerHelp, help="show this help with every argument of the Trainer, and exit"
+    )
+    hide_trainer_options(parser)
     parser.set_defaults(**{**TRAINER_DEFAULTS, **(file_settings or {})})
     return parser
 
