@@ -110,7 +110,7 @@ clean:
 	rm -rf $(VENV) $(BUILT_RUNS)
 
 # On a machine with one CUDA GPU and no network (docs/measuring.md, "Measuring on a GPU"): one part per command,
-# `make gpu-report PART=1` ... `PART=7` (PART=2 is 2a-2d; each piece under 8 minutes on an H100), or PART=all.
+# `make gpu-report PART=1` ... `PART=8` (PART=2 is 2a-2d; each piece under 8 minutes on an H100), or PART=all.
 # DRY_RUN=1 runs every part on the CPU with tiny sizes. Results: runs/gpu-report/part-<part>.md and .json.
 # The python: GPU_PYTHON, else .venv/st6's where it exists (here), else $(PYTHON) (the GPU machine's).
 PART ?= all

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
     ST_VERSION != MAX_ST_VERSION, reason="the GPU report runs the release its wheels carry (the newest supported)"
 )
-PARTS = ["1", "2a", "2b", "2c", "2d", "3", "4", "5", "6", "7"]
+PARTS = ["1", "2a", "2b", "2c", "2d", "3", "4", "5", "6", "7", "8"]
 VERSION_FIELDS = ["device", "driver", "torch", "sentence_transformers", "transformers"]
 
 

@@ -30,7 +30,12 @@ off by a time limit keeps what it finished. The parts:
 7. ``benchmarks/bench_quality.py`` on the GPU: quality at equal memory (the budget: uncached MNRL's peak at
    b=16, the CUDA allocator's meter; B=128 and 512; 1280 of the built-in pairs, 3 epochs, seeds 0-2),
    its table and ``results.json`` (the GPU machine has no matplotlib: ``bench_quality.py --from-results``
-   draws the plot here).
+   draws the plot here);
+8. ``benchmarks/bench_decoder_lora.py`` at real shapes: a decoder embedder of Qwen3-0.6B's shapes built from its
+   configuration (random weights: no network), a LoRA adapter as the only trainable weights, bf16, sdpa
+   attention (flash-attn's where installed), passages of 512 and 1024 tokens: the peak of one step
+   (``torch.cuda.max_memory_allocated``) of upstream's uncached and cached MNRL, st_ext's cached, cached with
+   checkpointing and ``"auto"``, against a 20 GiB budget.
 
     python tools/gpu_report.py --part 1                 # on the GPU machine
     python tools/gpu_report.py --part all --dry-run     # CPU, tiny sizes (what CI runs)
@@ -70,6 +75,7 @@ PARTS = {
     "5": "flattened inputs through a variable-length attention kernel",
     "6": "partial caching: step time and peak memory against the mini-batch graphs kept",
     "7": "quality at equal memory: uncached MNRL at b against the cached losses at 8b and 32b in its peak",
+    "8": "decoder embedder with LoRA at Qwen3-0.6B's shapes: peak memory of one step, upstream against st_ext",
 }
 GROUPS = {"all": list(PARTS), "2": ["2a", "2b", "2c", "2d"]}
 
@@ -890,11 +896,48 @@ def part7(ctx: Context, part: Part) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Part 8
+
+
+def part8(ctx: Context, part: Part) -> None:
+    shapes = ["16x512", "32x512", "32x1024", "64x1024"]
+    attention = "flash_attention_2" if ctx.cuda and version("flash-attn") != "not installed" else "sdpa"
+    if ctx.dry_run:
+        argv = ["--device", "cpu", "--dtype", "bf16", "--hidden", "32", "--layers", "1", "--shapes", "2x16", "4x16",
+                "--mini-batch-size", "2", "--budget-mb", "1", "--threads", "1"]  # fmt: skip
+    else:
+        argv = ["--device", "cuda", "--qwen3-0.6b", "--dtype", "bf16", "--attention", attention, "--shapes", *shapes,
+                "--mini-batch-size", "8", "--budget-mb", "20480"]  # fmt: skip
+    check = (
+        "tiny Qwen3, bf16 (dry run)"
+        if ctx.dry_run
+        else f"Qwen3-0.6B shapes, bf16, {attention}, batch x seq {' '.join(shapes)}, mini-batch 8, budget 20 GiB"
+    )
+    if version("peft") == "not installed":
+        part.step(check, skipped("peft is not installed (LoRA adapters need it)"))
+        return
+    import bench_decoder_lora
+
+    def table() -> str:
+        results = in_process(part, f"bench_decoder_lora.py {' '.join(argv)}", bench_decoder_lora.main, argv)
+        part.data["decoder_lora"] = results
+        if not results["rows"]:
+            raise Failed("no rows")
+        return f"step peak above {results['settings']['weights_mib']:.0f} MiB of weights: " + "; ".join(
+            f"{row['batch']}x{row['seq']}: "
+            + ", ".join(f"{way} {bench_decoder_lora.cell_text(cell)}" for way, cell in row["cells"].items())
+            for row in results["rows"]
+        )
+
+    part.step(f"decoder with LoRA, one step's peak ({check}; bench_decoder_lora.py)", table)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 RUNNERS = {
     "1": part1, "2a": part2, "2b": part2, "2c": part2, "2d": part2, "3": part3, "4": part4, "5": part5, "6": part6,
-    "7": part7,
+    "7": part7, "8": part8,
 }  # fmt: skip
 
 
