@@ -244,6 +244,69 @@ def test_auto_mini_batch_and_kept_graphs_adapter_grads_within_budget(decoder_dir
 
 
 # ---------------------------------------------------------------------------------------------
+# Flattened (padding-free) inputs
+
+
+def causal_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention within each sequence of a flattened batch, as flash-attention's variable-length kernel
+    runs a decoder: ``query`` is ``(1, heads, tokens, head_dim)``, ``key``/``value`` have the key-value heads
+    (grouped-query attention)."""
+    bounds = kwargs["cu_seq_lens_q"].tolist()
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    output = torch.empty_like(query)
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+        output[:, :, begin:end] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, begin:end], key[:, :, begin:end], value[:, :, begin:end], is_causal=True, scale=scaling
+        )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def flattening(model):
+    """``model`` switched to flattened inputs through :func:`causal_varlen_attention` (tests/varlen_attention.py's
+    switch, whose own kernel attends both ways, as an encoder does); skips where transformers will not run the
+    architecture through a registered attention function."""
+    from unittest import mock
+
+    import transformers
+    import varlen_attention
+
+    with (
+        mock.patch.object(varlen_attention, "varlen_attention", causal_varlen_attention),
+        mock.patch.object(varlen_attention, "VARLEN_ATTENTION", "causal_varlen_sdpa"),
+    ):
+        try:
+            return varlen_attention.make_flattening(model)
+        except ValueError as error:
+            pytest.skip(f"transformers {transformers.__version__} runs no registered attention here: {error}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_loss_on_flattened_inputs_gives_the_padded_adapter_grads(decoder_dirs, saved_adapters, family):
+    """A cached Matryoshka MNRL over flattened rows (no padding; each query's instruction included) gives the
+    adapter the gradients of the same loss over left-padded rows: the sequence boundaries, the positions and
+    the last token of every row survive flattening and the engine's slicing of it."""
+    from varlen_attention import flattening_supported
+
+    from st_ext._compat import preprocess
+    from st_ext.losses.features import is_flattened
+
+    if not flattening_supported():
+        pytest.skip("sentence-transformers flattens inputs for a registered attention from 6.0 on")
+    padded = adapted(decoder_dirs, saved_adapters, family)
+    flat = flattening(adapted(decoder_dirs, saved_adapters, family))
+    columns = decoder_columns(3)
+    assert is_flattened(preprocess(flat, columns[0])) and not is_flattened(preprocess(padded, columns[0]))
+
+    def loss_for(model):
+        return losses.MatryoshkaLoss(model, losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3), DIMS)
+
+    reference = loss_and_grads(padded, loss_for(padded), columns, train=False)
+    assert_adapter_grads_only(padded, reference)
+    assert_same_grads(loss_and_grads(flat, loss_for(flat), columns, train=False), reference)
+
+
+# ---------------------------------------------------------------------------------------------
 # Checkpointing and bf16
 
 
