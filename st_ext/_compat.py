@@ -187,17 +187,6 @@ def upstream_loss_class(name: str) -> type | None:
     return getattr(st_losses(), name, None)
 
 
-def ranking_loss_from_embeddings(loss: Any, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
-    """``MultipleNegativesRankingLoss`` over (anchors, then candidate columns) embeddings: its own
-    ``compute_loss_from_embeddings`` where the release has one (5.x on); 4.x's computes it inside ``forward``,
-    as here."""
-    compute = getattr(loss, "compute_loss_from_embeddings", None)
-    if compute is not None:
-        return compute(embeddings, labels)
-    scores = loss.similarity_fct(embeddings[0], torch.cat(embeddings[1:])) * loss.scale
-    return loss.cross_entropy_loss(scores, torch.arange(len(scores), device=scores.device))
-
-
 def ranking_directions(loss: Any) -> tuple[str, ...] | None:
     """The ``directions`` a MultipleNegativesRankingLoss scores, or None where the installed release has no such
     option (4.x scores queries against documents only)."""

@@ -229,9 +229,8 @@ class CrossBatchMemoryLoss(nn.Module):
             self.memory_size,
             document_ids,
         )
-        memories = (self.query_memory, self.layer_query_memory) if queries else (self.memory, self.layer_memory)
         if source is not None:
-            memories[1][source] = bank
+            (self.layer_query_memory if queries else self.layer_memory)[source] = bank
         elif queries:
             self.query_memory = bank
         else:

@@ -371,7 +371,10 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
     encoder = step.encoder or sentence_embedding
 
     def loss_over(outputs: list[Reps], *, with_backward: bool) -> Tensor:
-        return step.loss(_with_joined(step, outputs), labels, with_backward=with_backward)
+        """The step's loss, each output with the columns its join adds for its source (not the join's to enqueue)."""
+        if step.join is not None:
+            outputs = [reps + step.join.columns(source, reps[0][0]) for source, reps in zip(step.sources(), outputs)]
+        return step.loss(outputs, labels, with_backward=with_backward)
 
     def finished(outputs: list[Reps], value: Tensor) -> Tensor:
         if step.join is not None:
@@ -425,14 +428,6 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
         kept=graphs,
     )
     return finished(outputs, _ReplayOnBackward.apply(value.detach().requires_grad_(), replay))
-
-
-def _with_joined(step: LossStep, outputs: list[Reps]) -> list[Reps]:
-    """Each output's reps with the columns its step's join adds for its source (the loss sees them; the join,
-    after the step, gets the outputs without them)."""
-    if step.join is None:
-        return outputs
-    return [reps + step.join.columns(source, reps[0][0]) for source, reps in zip(step.sources(), outputs)]
 
 
 def _concatenated(first: list[Reps], then: list[Reps]) -> list[Reps]:

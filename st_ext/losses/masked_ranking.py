@@ -18,8 +18,8 @@ direction, except the anchor's own positive and, in ``doc_to_query``, the anchor
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
+from inspect import getattr_static
 
 import torch
 from torch import Tensor, nn
@@ -66,8 +66,7 @@ def check_scoring_options(loss: nn.Module, owner: str) -> None:
         )
 
 
-#: Where upstream's ranking losses score their candidates: what this scoring stands in for. The uncached loss
-#: scores inside ``forward`` on releases without ``compute_loss_from_embeddings`` (4.x).
+#: Where upstream's ranking losses score their candidates (4.x's uncached loss: in ``forward``), by class.
 SCORING_METHODS = {
     "CachedMultipleNegativesRankingLoss": ("calculate_loss",),
     "MultipleNegativesRankingLoss": ("compute_loss_from_embeddings", "forward"),
@@ -78,19 +77,18 @@ def refuse_scoring_overrides(loss: nn.Module, owner: str) -> None:
     """Refuse, at construction, a subclass whose own scoring this function would skip on every batch."""
     for class_name, methods in SCORING_METHODS.items():
         upstream_class = upstream_loss_class(class_name)
-        if upstream_class is None or not isinstance(loss, upstream_class):
-            continue
-        overridden = [
-            name
-            for name in methods
-            if inspect.getattr_static(type(loss), name, None) is not inspect.getattr_static(upstream_class, name, None)
-        ]
-        if overridden:
-            raise TypeError(
-                f"{owner} scores the candidates itself, so {type(loss).__name__}'s override of "
-                f"{', '.join(overridden)} would never run: drop the override, or the option."
-            )
-        return
+        if upstream_class is not None and isinstance(loss, upstream_class):
+            mine = [
+                name
+                for name in methods
+                if getattr_static(type(loss), name, 0) is not getattr_static(upstream_class, name, 0)
+            ]
+            if mine:
+                raise TypeError(
+                    f"{owner} scores the candidates itself, so {type(loss).__name__}'s override of {', '.join(mine)} "
+                    "would never run: drop the override, or the option."
+                )
+            return
 
 
 def masked_ranking_loss(

@@ -34,6 +34,15 @@ class MemoryBank:
     def rows(self) -> int:
         return 0 if self.embeddings is None else len(self.embeddings)
 
+    def without(self, keys: Tensor | None) -> MemoryBank:
+        """This bank less its rows labelled with one of ``keys`` (None: all of them kept)."""
+        if keys is None or not self.rows:
+            return self
+        kept = ~torch.isin(self.labels, keys.to(self.labels.device))
+        return MemoryBank(
+            *(None if part is None else part[kept] for part in (self.embeddings, self.labels, self.document_ids))
+        )
+
 
 def check_fits(queued: Tensor, embeddings: Tensor) -> None:
     """A size mismatch would otherwise surface as an unexplained shape error inside a matrix product."""

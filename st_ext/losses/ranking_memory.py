@@ -50,12 +50,9 @@ def check_ranking_options(loss: nn.Module, query_bank: bool) -> None:
             "holds every rank's documents of earlier steps): set gather_across_devices=False."
         )
     refuse_scoring_overrides(loss, "CrossBatchMemoryLoss")
-    if query_bank:
-        check_query_bank(loss)
-
-
-def check_query_bank(loss: nn.Module) -> None:
-    """A query bank needs a direction that scores queries as candidates."""
+    if not query_bank:
+        return
+    # A query bank needs a direction that scores queries as candidates.
     directions = ranking_directions(loss)
     if directions is None:
         raise ValueError(
@@ -100,47 +97,23 @@ class RankingQueue:
         #: The key of every document row (columns after the anchors, in order).
         self.keys = ranking_keys(memory.loss, sentence_features)
         self.rows = batch_size_of(sentence_features[0])
-        self._kept: dict[Source, tuple[Tensor, Tensor | None]] = {}
+        self._queued: dict[Source, tuple[MemoryBank, MemoryBank]] = {}
 
-    def _dropped(self, keys: Tensor) -> Tensor | None:
-        """The keys whose queued rows this step leaves out (by token ids, with ``mask_own_positive``)."""
-        return keys if self.memory.mask_own_positive and self.memory.document_ids is None else None
-
-    def kept(self, source: Source) -> tuple[Tensor, Tensor | None]:
-        """Which rows of ``source``'s document queue and query bank (None: no query bank) this step ranks
-        against."""
-        if source not in self._kept:
-
-            def kept(bank: MemoryBank, dropped: Tensor | None) -> Tensor:
-                if not bank.rows or dropped is None:
-                    return torch.ones(bank.rows, dtype=torch.bool)
-                return ~torch.isin(bank.labels, dropped.to(bank.labels.device)).cpu()
-
-            documents = kept(self.memory.bank(source), self._dropped(self.keys))
-            queries = (
-                kept(self.memory.bank(source, queries=True), self._dropped(self.keys[: self.rows]))
-                if self.memory.query_bank
-                else None
-            )
-            self._kept[source] = (documents, queries)
-        return self._kept[source]
+    def queued(self, source: Source) -> tuple[MemoryBank, MemoryBank]:
+        """The queued documents and the queued anchors ``source``'s output ranks against."""
+        if source not in self._queued:
+            memory, by_token_ids = self.memory, self.memory.mask_own_positive and self.memory.document_ids is None
+            documents, queries = MemoryBank(), MemoryBank()
+            if self.training:
+                documents = memory.bank(source).without(self.keys if by_token_ids else None)
+            if self.training and memory.query_bank:
+                queries = memory.bank(source, queries=True).without(self.keys[: self.rows] if by_token_ids else None)
+            self._queued[source] = (documents, queries)
+        return self._queued[source]
 
     def columns(self, source: Source, like: Tensor) -> Reps:
-        """The queued documents and the queued anchors ``source``'s output ranks against, as two candidate
-        columns on ``like``'s device and dtype (no rows outside training or without a query bank)."""
-        nothing = like[:0].detach()
-        if not self.training:
-            return [[nothing], [nothing]]
-        kept_documents, kept_queries = self.kept(source)
-
-        def rows(bank: MemoryBank, kept: Tensor | None) -> Tensor:
-            queued, _ = memory_like(bank, like)
-            return nothing if queued is None or kept is None else queued[kept.to(queued.device)]
-
-        return [
-            [rows(self.memory.bank(source), kept_documents)],
-            [rows(self.memory.bank(source, queries=True), kept_queries)],
-        ]
+        """The queued documents and the queued anchors as two candidate columns on ``like``'s device and dtype."""
+        return [[memory_like(bank, like)[0] if bank.rows else like[:0].detach()] for bank in self.queued(source)]
 
     def anchor_ids(self, labels: Tensor | None) -> Tensor | None:
         """Each row's document id, with ``document_ids``; else None."""
@@ -153,34 +126,22 @@ class RankingQueue:
         """The document ids of ``source``'s candidates, in :meth:`columns`' order: each row's (its document id,
         or by token ids its positive's key when ``mask_own_positive``; else none), each document column's, and
         the queued rows' (by token ids none: the copies are dropped)."""
-        device = self.keys.device
-        columns = len(self.keys) // max(self.rows, 1)
+        device, columns = self.keys.device, len(self.keys) // max(self.rows, 1)
 
         def unknown(count: int) -> Tensor:
             return torch.full((count,), NO_DOCUMENT, dtype=torch.int64, device=device)
 
-        queued_documents, queued_queries = unknown(0), unknown(0)
-        by_document_ids = self.memory.document_ids is not None
-        if self.training:
-            kept_documents, kept_queries = self.kept(source)
-            documents, queries = self.memory.bank(source), self.memory.bank(source, queries=True)
-            if by_document_ids:
-                if documents.rows:
-                    queued_documents = documents.document_ids[kept_documents.to(documents.document_ids.device)]
-                if kept_queries is not None and queries.rows:
-                    queued_queries = queries.labels[kept_queries.to(queries.labels.device)]
-                queued_documents, queued_queries = queued_documents.to(device), queued_queries.to(device)
-            else:
-                queued_documents = unknown(int(kept_documents.sum()))
-                queued_queries = unknown(0 if kept_queries is None else int(kept_queries.sum()))
+        documents, queries = self.queued(source)
         anchors = self.anchor_ids(labels)
         if anchors is not None:
             column_ids = [anchors] + [unknown(self.rows)] * (columns - 1)
-        elif self.memory.mask_own_positive:
-            anchors, column_ids = self.keys[: self.rows], list(self.keys.split(self.rows))
-        else:
-            anchors, column_ids = unknown(self.rows), [unknown(self.rows)] * columns
-        return CandidateIds(anchors, column_ids, queued_documents, queued_queries)
+            queued = [unknown(0) if not documents.rows else documents.document_ids.to(device)]
+            queued.append(unknown(0) if not queries.rows else queries.labels.to(device))
+            return CandidateIds(anchors, column_ids, *queued)
+        queued = [unknown(documents.rows), unknown(queries.rows)]
+        if self.memory.mask_own_positive:
+            return CandidateIds(self.keys[: self.rows], list(self.keys.split(self.rows)), *queued)
+        return CandidateIds(unknown(self.rows), [unknown(self.rows)] * columns, *queued)
 
     def after_step(self, sources: list[Source], outputs: list[Reps], labels: Tensor | None) -> None:
         """Enqueue the step's documents (and anchors, with a query bank) into each source's queues."""

@@ -64,12 +64,9 @@ def with_memory(build_loss: Callable[..., nn.Module]) -> Callable[..., nn.Module
         query_bank: bool = False,
         **loss_kwargs: Any,
     ) -> CrossBatchMemoryLoss:
+        inner = build_loss(model, **loss_kwargs)
         return CrossBatchMemoryLoss(
-            model,
-            build_loss(model, **loss_kwargs),
-            memory_size,
-            mask_own_positive=mask_own_positive,
-            query_bank=query_bank,
+            model, inner, memory_size, mask_own_positive=mask_own_positive, query_bank=query_bank
         )
 
     return build
