@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -229,6 +230,8 @@ class LossCase:
     steps: int = 1
     checkpointing: bool = False
     needs_directions: bool = False
+    #: Train the tiny Qwen3 decoder embedder's LoRA adapter (:func:`lora_decoder`) instead of the tiny BERT.
+    lora_decoder: bool = False
 
     def available(self) -> bool:
         return self.unavailable_reason() is None
@@ -239,6 +242,8 @@ class LossCase:
 
         if self.gathered and not gather_supported():
             return f"sentence-transformers {ST_VERSION} has no gather_across_devices (added in 5.x, PR #3442)"
+        if self.lora_decoder and importlib.util.find_spec("peft") is None:
+            return "peft is not installed (LoRA adapters need it)"
         if self.needs_directions and not directions_supported():
             return (
                 f"sentence-transformers {ST_VERSION}'s MultipleNegativesRankingLoss has no directions: no query bank"
@@ -267,6 +272,14 @@ CASES: dict[str, LossCase] = {
         cached_gist(gathered=True, document_ids=first_word_of_positive), gathered=True
     ),
     "cross_batch_memory_query_bank": LossCase(memory_query_bank, steps=2, needs_directions=True),
+    # Only a LoRA adapter trains, on a decoder embedder (last-token pooling, left padding, frozen embeddings).
+    "lora_decoder_matryoshka_cmnrl": LossCase(matryoshka_cmnrl(gathered=False), lora_decoder=True),
+    "lora_decoder_matryoshka_cmnrl_gathered": LossCase(
+        matryoshka_cmnrl(gathered=True), gathered=True, lora_decoder=True
+    ),
+    "lora_decoder_matryoshka_cmnrl_checkpointed": LossCase(
+        matryoshka_cmnrl(gathered=False), checkpointing=True, lora_decoder=True
+    ),
 }
 
 
@@ -283,6 +296,29 @@ def load_model(model_dir: Path, checkpointing: bool = False, checkpoint_kwargs: 
     if checkpointing:
         model.gradient_checkpointing_enable(checkpoint_kwargs)
     return model.train()
+
+
+def lora_decoder(checkpointing: bool = False) -> nn.Module:
+    """A tiny Qwen3 decoder embedder (tests/tiny_decoders.py) whose only trainable weights are a LoRA adapter,
+    attached as st_ext.adapters does on this stack; built from fixed seeds, identical in every process."""
+    import tempfile
+
+    from tiny_decoders import decoder_embedder, lora_config, save_tiny_decoder
+
+    from st_ext.adapters import add_lora_adapter
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = decoder_embedder(save_tiny_decoder(Path(folder), "qwen3"))
+    torch.manual_seed(3)
+    add_lora_adapter(model, lora_config())
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def case_model(case: LossCase, model_dir: Path) -> nn.Module:
+    """The model ``case`` trains: the tiny BERT in ``model_dir``, or the LoRA decoder."""
+    return lora_decoder(case.checkpointing) if case.lora_decoder else load_model(model_dir, case.checkpointing)
 
 
 def load_guide(guide_dir: Path) -> nn.Module:
@@ -333,7 +369,7 @@ def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, loss: nn.Mo
 def single_process_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     """What one process computes for the same steps (see the module docstring for which one)."""
     case = CASES[case_name]
-    model = load_model(model_dir, case.checkpointing)
+    model = case_model(case, model_dir)
     loss = case.build(model, load_guide(guide_dir))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     records = []
@@ -403,7 +439,7 @@ def ddp_run(case_name: str, model_dir: Path, guide_dir: Path) -> list[dict]:
     a SentenceTransformer (a BERT pooler is not part of the loss)."""
     case = CASES[case_name]
     rank = dist.get_rank()
-    model = load_model(model_dir, case.checkpointing)
+    model = case_model(case, model_dir)
     loss = case.build(model, load_guide(guide_dir))
     use_wrapped_model(loss, wrap_in_ddp(model, find_unused_parameters=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
@@ -427,12 +463,14 @@ def fsdp2_available() -> bool:
 
 
 def shard_with_fsdp2(model: nn.Module, reshard_after_forward: bool | None = None) -> nn.Module:
-    """``fully_shard`` as one shards a transformer: each encoder layer, then the whole model; with
-    ``reshard_after_forward`` None, FSDP2's default (each layer reshards after forward, the root not)."""
+    """``fully_shard`` as one shards a transformer: each layer (of the model's first layer list: BERT's encoder,
+    a decoder's stack), then the whole model; with ``reshard_after_forward`` None, FSDP2's default (each layer
+    reshards after forward, the root not)."""
     from torch.distributed.fsdp import fully_shard
 
     settings = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
-    for layer in model[0].auto_model.encoder.layer:
+    layers = next(module for module in model[0].auto_model.modules() if isinstance(module, nn.ModuleList))
+    for layer in layers:
         fully_shard(layer, **settings)
     return fully_shard(model, **settings)
 
@@ -484,6 +522,20 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if is_shard(tensor) else tensor
 
 
+def trained_sharded_modules(model: nn.Module) -> int:
+    """How many of the modules FSDP2 shards own a trainable parameter (one not inside a nested sharded module):
+    only those reduce-scatter gradients (a LoRA decoder's root holds frozen embeddings and norm only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    owners = {
+        max((name for name in sharded if not name or param_name.startswith(name + ".")), key=len)
+        for param_name, param in model.named_parameters()
+        if param.requires_grad
+    }
+    return len(owners)
+
+
 def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str) -> list[dict]:
     """The case's steps with the model sharded by FSDP2 across the ranks (no DDP), resharding as
     ``FSDP2_RESHARDING[resharding]`` says; each rank records the gathered gradients and parameters,
@@ -494,10 +546,11 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str)
 
     case = CASES[case_name]
     rank = dist.get_rank()
-    model = load_model(model_dir, case.checkpointing)
+    model = case_model(case, model_dir)
     loss = case.build(model, load_guide(guide_dir))
     shard_with_fsdp2(model, reshard_after_forward=FSDP2_RESHARDING[resharding])
     sharded_modules = sum(isinstance(module, FSDPModule) for module in model.modules())
+    reducing_modules = trained_sharded_modules(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     reduced_before_pass: list[bool] = []
     # Ahead of FSDP2's own pre-forward, which swaps in the unsharded parameters. A reduced gradient is a
@@ -512,7 +565,7 @@ def fsdp2_run(case_name: str, model_dir: Path, guide_dir: Path, resharding: str)
         with collectives_counted(collectives):
             record = {"loss": forward_backward(model, loss, rank_share(global_batch(step), rank))}
         record["reduced_before_pass"] = list(reduced_before_pass)
-        record.update(collectives, sharded_modules=sharded_modules)
+        record.update(collectives, sharded_modules=sharded_modules, reducing_modules=reducing_modules)
         record["grads"] = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -562,14 +615,25 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: grad.clone() for name, grad in grads.items() if grad is not None}
 
 
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` whole: a trained one as the engine's fp32 copy, a frozen one (a LoRA
+    adapter's base weights, which the optimizer holds no copy of) gathered from its ZeRO-3 partitions."""
+    from deepspeed import zero
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    with zero.GatheredParameters([p for p in model.parameters() if not p.requires_grad]):
+        return {
+            name: (safe_get_full_fp32_param(p) if p.requires_grad else p.detach()).clone()
+            for name, p in model.named_parameters()
+        }
+
+
 def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) -> list[dict]:
     """The case's steps under a DeepSpeed engine at ZeRO ``stage``; each rank records the full (gathered)
     gradients and fp32 parameters."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
     case = CASES[case_name]
     rank = dist.get_rank()
-    model = load_model(model_dir, case.checkpointing)
+    model = case_model(case, model_dir)
     loss = case.build(model, load_guide(guide_dir))
     engine = deepspeed_engine(model, loss, stage)
     records = []
@@ -578,7 +642,7 @@ def deepspeed_run(case_name: str, stage: int, model_dir: Path, guide_dir: Path) 
         engine.backward(value)
         record = {"loss": value.item(), "grads": full_grads(model)}
         engine.step()
-        record["params"] = {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
+        record["params"] = full_params(model)
         record["memory"] = queued(loss)
         record["query_memory"] = queued_anchors(loss)
         records.append(record)

@@ -14,7 +14,15 @@ import json
 import pytest
 import torch
 from loss_checks import assert_same_grads, features_of, loss_and_grads, text_columns
-from tiny_decoders import FAMILIES, QUERY_PROMPT, decoder_embedder, save_tiny_decoder, with_query_prompt
+from tiny_decoders import (
+    FAMILIES,
+    LORA_TARGETS,
+    QUERY_PROMPT,
+    decoder_embedder,
+    lora_config,
+    save_tiny_decoder,
+    with_query_prompt,
+)
 
 from st_ext import losses
 from st_ext._compat import st_losses
@@ -27,15 +35,9 @@ from st_ext.adapters import add_lora_adapter, load_lora_adapter, transformers_ac
 upstream = st_losses()
 BATCH = 8
 DIMS = [32, 16, 8]
-TARGETS = ["q_proj", "v_proj"]
 ATTACH = ["add_adapter", "get_peft_model", "saved_adapter"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def lora_config(**options):
-    """Random B as well as A, so the adapter changes the embeddings and every adapter weight gets a gradient."""
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **options)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def assert_adapter_grads_only(model, result):
     _, grads = result
     trainable = adapter_names(model)
     assert trainable and all("lora_" in name for name in trainable), trainable
-    assert len(trainable) == 2 * len(TARGETS) * 2
+    assert len(trainable) == 2 * len(LORA_TARGETS) * 2
     assert set(grads) == trainable
     assert all(grad.abs().sum() > 0 for grad in grads.values())
 
@@ -362,7 +364,7 @@ def test_save_writes_the_adapter_and_reload_encodes_identically(
     model = adapted(decoder_dirs, saved_adapters, family, attach)
     model.save(str(tmp_path))
     config = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and sorted(config["target_modules"]) == TARGETS
+    assert config["peft_type"] == "LORA" and sorted(config["target_modules"]) == LORA_TARGETS
     assert config["base_model_name_or_path"] == str(decoder_dirs[family])
     assert not (tmp_path / "model.safetensors").exists()
     from safetensors.torch import load_file

@@ -44,6 +44,10 @@ TRAINER_ARGUMENTS_GIVE_FSDP2 = Version(transformers.__version__).major >= 5
 LAUNCH_TIMEOUT_S = 600
 LOSS_CASES = sorted(worker.CASES)
 GATHER_CASES = [name for name in LOSS_CASES if worker.CASES[name].gathered]
+#: The LoRA decoder's cases under ZeRO take their own DeepSpeed launch (about a minute on 2 cores): slow.
+DEEPSPEED_CASES = [
+    pytest.param(name, marks=pytest.mark.slow) if worker.CASES[name].lora_decoder else name for name in LOSS_CASES
+]
 MARKED_TWICE_ERROR = "marked as ready twice"
 UNFINISHED_REDUCTION_ERROR = "Expected to have finished reduction in the prior iteration"
 
@@ -120,17 +124,31 @@ def loss_run(model_dirs, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def deepspeed_loss_run(model_dirs, tmp_path_factory) -> Path:
-    """The directory where both ranks saved every available loss case under each ZeRO stage."""
+def deepspeed_run_of(model_dirs, out: Path, lora_decoder: bool) -> Path:
+    """Both ranks' every available loss case under each ZeRO stage, of the LoRA decoder or of the tiny BERT."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is a test extra (requirements/test.txt)")
-    out = tmp_path_factory.mktemp("deepspeed_losses")
-    cases = [name for name in LOSS_CASES if worker.CASES[name].available()]
+    cases = [
+        name
+        for name in LOSS_CASES
+        if worker.CASES[name].available() and worker.CASES[name].lora_decoder == lora_decoder
+    ]
     torchrun(
         "deepspeed", "--model", str(model_dirs["model"]), "--guide", str(model_dirs["guide"]), "--out", str(out),
         *cases, log=out / "torchrun.log",
     )  # fmt: skip
     return out
+
+
+@pytest.fixture(scope="module")
+def deepspeed_loss_run(model_dirs, tmp_path_factory) -> Path:
+    """The directory where both ranks saved every available loss case of the tiny BERT under each ZeRO stage."""
+    return deepspeed_run_of(model_dirs, tmp_path_factory.mktemp("deepspeed_losses"), lora_decoder=False)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_lora_run(model_dirs, tmp_path_factory) -> Path:
+    """The same for the LoRA decoder's cases."""
+    return deepspeed_run_of(model_dirs, tmp_path_factory.mktemp("deepspeed_lora_losses"), lora_decoder=True)
 
 
 @pytest.fixture(scope="module", params=worker.ZERO_STAGES, ids=lambda stage: f"zero{stage}")
@@ -285,23 +303,24 @@ def test_fsdp2_step_matches_single_process(name, resharding, loss_run, model_dir
     for step, expected in enumerate(reference):
         assert_same_step([steps[step] for steps in ranks], expected, worker.CASES[name].gathered, step)
         # Held until the last mini-batch: no pass of the step starts with reduced (sharded) gradients,
-        # and each module reduce-scatters once in the step.
+        # and each module that owns trained weights reduce-scatters once in the step.
         record = ranks[0][step]
         assert not any(record["reduced_before_pass"]), "a mini-batch reduced before the last"
-        assert record["reduce_scatters"] == record["sharded_modules"]
+        assert record["reduce_scatters"] == record["reducing_modules"]
         if resharding == "kept_gathered":
             # Each module gathered once for the whole step, not once per mini-batch pass.
             assert record["all_gathers"] == record["sharded_modules"]
 
 
 @pytest.mark.parametrize("stage", worker.ZERO_STAGES)
-@pytest.mark.parametrize("name", LOSS_CASES)
-def test_deepspeed_step_matches_single_process(name, stage, deepspeed_loss_run, model_dirs):
+@pytest.mark.parametrize("name", DEEPSPEED_CASES)
+def test_deepspeed_step_matches_single_process(name, stage, request, model_dirs):
     """Under a DeepSpeed engine at each ZeRO stage, the cached losses' per-mini-batch replay trains
     instead of failing ("Gradient computed twice for this partition" at stages 2 and 3), and gives the
     gradients and update of the same single-process step."""
     require_available(name)
-    ranks = rank_results(deepspeed_loss_run, f"{name}-zero{stage}")
+    run = request.getfixturevalue("deepspeed_lora_run" if worker.CASES[name].lora_decoder else "deepspeed_loss_run")
+    ranks = rank_results(run, f"{name}-zero{stage}")
     reference = worker.single_process_run(name, model_dirs["model"], model_dirs["guide"])
     for step, expected in enumerate(reference):
         step_ranks = [without_unused_zeros(steps[step], expected) for steps in ranks]
@@ -335,6 +354,20 @@ def without_unused_zeros(result: dict, reference: dict) -> dict:
     for name in unused:
         assert not result["grads"][name].any(), f"{name}: unused by the loss, yet a non-zero gradient"
     return {**result, "grads": {name: grad for name, grad in result["grads"].items() if name not in unused}}
+
+
+def test_lora_decoder_trains_only_its_adapter(loss_run):
+    """The LoRA decoder's DDP steps, which the comparisons above check, reduce gradients of the adapter's weights
+    only, all of them, and leave every base weight as it was."""
+    require_available("lora_decoder_matryoshka_cmnrl")
+    start = {name: p.detach() for name, p in worker.lora_decoder().named_parameters()}
+    for result in rank_results(loss_run, "lora_decoder_matryoshka_cmnrl")[0]:
+        adapter = {name for name in start if "lora_" in name}
+        assert adapter and result["grads"].keys() == adapter
+        assert all(grad.abs().sum() > 0 for grad in result["grads"].values())
+        for name, value in start.items():
+            if name not in adapter:
+                torch.testing.assert_close(result["params"][name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("name", GATHER_CASES)

@@ -26,6 +26,8 @@ QUERY_PROMPT = "instruct: retrieve the passage for the query . query: "
 #: The families the tests build, by the config class each needs from transformers.
 FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config"}
 FAMILIES = list(FAMILY_CONFIGS)
+#: The layers the tests' LoRA adapters adapt.
+LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def build_decoder_tokenizer() -> PreTrainedTokenizerFast:
@@ -76,10 +78,15 @@ def decoder_config(family: str, *, num_layers: int = 2, hidden_size: int = 32, d
 
 def save_tiny_decoder(path: Path, family: str = "qwen3", *, seed: int = 0, **config_kwargs) -> Path:
     """Save a randomly initialised tiny decoder of ``family`` (the bare model, as embedders load it) with
-    its tokenizer."""
+    its tokenizer. Written by the config's and safetensors' own writers: transformers' ``save_pretrained``
+    writes on rank 0 only once a process group is up, and each rank of a distributed test builds its own."""
+    from safetensors.torch import save_file
+
     torch.manual_seed(seed)
     model = transformers.AutoModel.from_config(decoder_config(family, **config_kwargs), attn_implementation="eager")
-    model.save_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(path / "config.json")
+    save_file(model.state_dict(), path / "model.safetensors", metadata={"format": "pt"})
     build_decoder_tokenizer().save_pretrained(path)
     return path
 
@@ -101,3 +108,11 @@ def with_query_prompt(columns: list[list[str]]) -> list[list[str]]:
     """The batch as a trainer hands it to the loss with ``prompts={"anchor": QUERY_PROMPT}``: the anchors
     carry the instruction, the passages none."""
     return [[QUERY_PROMPT + text for text in columns[0]], *columns[1:]]
+
+
+def lora_config(**options):
+    """The tests' peft ``LoraConfig``: random B as well as A, so the adapter changes the embeddings and every
+    adapter weight gets a gradient."""
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False, **options)
