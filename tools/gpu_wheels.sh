@@ -17,10 +17,10 @@ LIMIT_MIB=62  # 64 MiB per command, less the checkout itself
 ST_VERSION=${ST_VERSION:-6.2.0}
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-5.24.0}
 DEEPSPEED_VERSION=${DEEPSPEED_VERSION:-0.19.8}
-# DeepSpeed's needs the GPU machine lacks (pydantic and its own), datasets' (tests import it), and
-# pytorch-metric-learning (a test extra).
+# DeepSpeed's needs the GPU machine lacks (pydantic and its own), datasets' (tests import it),
+# pytorch-metric-learning (a test extra) and peft (the LoRA extra; part 8).
 EXTRA=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 hjson==3.1.0
-       datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytorch-metric-learning==2.9.0)
+       datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pytorch-metric-learning==2.9.0 peft==0.21.2)
 PY=${PYTHON:-python3}
 # A python with torch builds DeepSpeed's wheel and packs the model: the st6 environment where it exists.
 TORCH_PY=${TORCH_PYTHON:-$([ -x .venv/st6/bin/python ] && echo .venv/st6/bin/python || echo "$PY")}
