@@ -80,6 +80,19 @@ def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_
     )
     printed = capsys.readouterr().out
     assert "recall@10" in printed and str(output / "ndcg_by_dim.png") in printed
+    phases = [
+        "evaluating the starting model",
+        "\ntraining: 2 steps",
+        "evaluating the trained model",
+        "saving the model",
+    ]
+    assert sorted(phases, key=printed.index) == phases, "each phase says so as it starts, in order"
+    # Each logged loss is the sum over the two dimensions; loss_per_dim, logged beside it, is their mean.
+    logged = [line for line in printed.splitlines() if "'loss':" in line]
+    assert len(logged) == 2
+    for line in logged:
+        figures = {name: float(value) for name, value in re.findall(r"'(loss|loss_per_dim)': '?([-\d.e+]+)", line)}
+        assert figures["loss_per_dim"] == pytest.approx(figures["loss"] / 2, rel=2e-3)  # both printed to 4 digits
     metrics = json.loads((output / "metrics.json").read_text())
     assert set(metrics["before"]) == set(metrics["after"]) == {"32", "16"}
     rows = list(csv.DictReader((output / "memory_per_step.csv").open()))
@@ -122,7 +135,7 @@ def test_auto_mini_batch_size_is_measured_and_reported(tiny_bert_dir, pairs_file
     args = tiny_run_args(tiny_bert_dir, pairs_file, tmp_path / "run", "--loss", "cached_mnrl")
     args[args.index("--mini-batch-size") + 1] = "auto"
     assert main(args + ["--memory-budget-mb", "4096", "--matryoshka-dims", "32"]) == 0
-    assert "mini_batch_size auto -> 8 (one pass over the whole batch" in capsys.readouterr().out
+    assert "mini_batch_size auto -> 8 (one pass over all 8 texts in 2 columns" in capsys.readouterr().out
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ corpus entry, relevant to each of their queries.
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 from st_ext._compat import information_retrieval_evaluator
 
 METRICS = ("mrr@10", "ndcg@10", "recall@1", "recall@5", "recall@10")
@@ -43,10 +45,13 @@ def retrieval_evaluators(queries: list[str], documents: list[str], dims: list[in
     }
 
 
-def evaluate(model, evaluators: dict, epoch: float = -1, steps: int = -1) -> dict[int, dict[str, float]]:
-    """``{dim: {metric: value}}`` for :data:`METRICS`; ``epoch``/``steps`` label them in the model card's log."""
+def evaluate(
+    model, evaluators: dict, epoch: float = -1, steps: int = -1, progress: str | None = None
+) -> dict[int, dict[str, float]]:
+    """``{dim: {metric: value}}`` for :data:`METRICS`; ``epoch``/``steps`` label them in the model card's log.
+    ``progress`` names a bar that advances as each dimension is evaluated (none when None)."""
     results = {}
-    for dim, evaluator in evaluators.items():
+    for dim, evaluator in tqdm(evaluators.items(), desc=progress, unit="dim", disable=progress is None):
         scores = evaluator(model, epoch=epoch, steps=steps)
         # e.g. "dim_384_cosine_ndcg@10": the evaluator's name and the model's similarity function prefix every key.
         prefix = evaluator.primary_metric.removesuffix("ndcg@10")

@@ -25,6 +25,7 @@ import transformers
 from datasets import Dataset
 from safetensors import SafetensorError
 from sentence_transformers.evaluation import SequentialEvaluator
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from st_ext import SentenceTransformer, __version__
 from st_ext._compat import embedding_dimension
@@ -35,7 +36,13 @@ from st_ext.cli.evaluation import evaluate, format_table, retrieval_evaluators
 from st_ext.cli.hub import looks_like_hub_id, model_config
 from st_ext.cli.lora import add_lora, check_lora_settings
 from st_ext.cli.reference_peak import FORWARD_BACKWARD, UncachedReference
-from st_ext.cli.reporting import StepMemoryRecorder, plot_memory, plot_metric_by_dim, write_metrics
+from st_ext.cli.reporting import (
+    LossPerDimension,
+    StepMemoryRecorder,
+    plot_memory,
+    plot_metric_by_dim,
+    write_metrics,
+)
 from st_ext.cli.trainer_args import (
     TRAINER_DEFAULTS,
     checkpoint_folder,
@@ -362,7 +369,8 @@ def _run(
         print(adapter_line)
     dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
-    before = evaluate(model, evaluators, epoch=0, steps=0)
+    print(f"evaluating the starting model: {_evaluation_scope(eval_pairs, dims)}", flush=True)
+    before = evaluate(model, evaluators, epoch=0, steps=0, progress="before training")
 
     loss, frozen_encoders = _build_loss(config, model, model_path, dims)
     recorder = StepMemoryRecorder(device)
@@ -399,6 +407,9 @@ def _run(
                 print(report)
             elif not getattr(report, "ok", True):
                 print(f"warning: {str(report).splitlines()[0]} (the whole report is in metrics.json)")
+        loss_line = _log_loss_per_dimension(trainer, loss)
+        # The line break ends the line a library's transient bar (the model card's widget examples) left open.
+        print("\n" + _training_line(len(train_dataset), args, loss_line), flush=True)
         try:
             trainer.train(resume_from_checkpoint=checkpoint)
         except BaseException as error:
@@ -423,17 +434,56 @@ def _run(
         print(auto.choice)
 
     model.eval()
-    after = evaluate(model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step)
+    print(f"evaluating the trained model: {_evaluation_scope(eval_pairs, dims)}", flush=True)
+    after = evaluate(
+        model, evaluators, epoch=trainer.state.epoch, steps=trainer.state.global_step, progress="after training"
+    )
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
     reference = uncached.result
     report = run_report(config, settings, data_report, recorder, reference, auto, trainer, resumed_step)
+    print(f"\nsaving the model, metrics and plots to {output_dir}", flush=True)
     written = _publish_results(output_dir, model, before, after, recorder, reference, report, config.loss)
     for line in memory_summary(report["memory"], config.loss):
         print(line)
     for name, path in written.items():
         print(f"{name:>12}: {path}")
     return {"before": before, "after": after, "written": written, "peak_mib": report["memory"]["step_peak_mib"]}
+
+
+def _evaluation_scope(eval_pairs: Dataset, dims: list[int]) -> str:
+    return f"retrieval over {len(eval_pairs)} held-out pairs at {len(dims)} dimensions ({', '.join(map(str, dims))})"
+
+
+def _training_line(rows: int, args, loss_line: str | None) -> str:
+    """What the training bar is about to count, and what the logged loss is."""
+    length = f"{args.max_steps} steps" if args.max_steps > 0 else f"{args.num_train_epochs:g} epoch(s)"
+    line = (
+        f"training: {length} over {rows} rows in batches of {args.train_batch_size}; the first step also measures "
+        "the loss without caching on its batch, for the memory plot"
+    )
+    return line if loss_line is None else f"{line}\n{loss_line}"
+
+
+def _log_loss_per_dimension(trainer, loss) -> str | None:
+    """For a Matryoshka loss that trains every dimension each step: log ``loss_per_dim`` beside the loss
+    (:class:`~st_ext.cli.reporting.LossPerDimension`, put before the callback that prints the logs), and
+    return the line that says what both figures are; None for any other loss."""
+    weights = getattr(loss, "matryoshka_weights", None)
+    per_step = getattr(loss, "n_dims_per_step", -1)
+    if not weights or 0 < per_step < len(weights):
+        return None
+    printers = [trainer.pop_callback(kind) for kind in (ProgressCallback, PrinterCallback)]
+    trainer.add_callback(LossPerDimension(float(sum(weights))))
+    for printer in printers:
+        if printer is not None:
+            trainer.add_callback(printer)
+    dims = ", ".join(map(str, loss.matryoshka_dims))
+    mean = "their mean" if len(set(weights)) == 1 else "their weighted mean"
+    return (
+        f"the logged loss is the sum of the loss at the {len(weights)} Matryoshka dimensions ({dims}); "
+        f"loss_per_dim, {mean}, reads as one dimension's loss"
+    )
 
 
 def memory_summary(memory: dict[str, Any], loss: str) -> list[str]:

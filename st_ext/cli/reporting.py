@@ -25,6 +25,25 @@ def write_file(path: Path, data: bytes | str) -> Path:
     return path
 
 
+class LossPerDimension(TrainerCallback):
+    """Logs ``loss_per_dim`` beside each ``loss`` (and ``train_loss``): a Matryoshka loss is the weighted sum
+    of the loss at each of its dimensions, a figure that grows with their number; the sum over the weights'
+    total (with st-ext train's equal weights, the mean per dimension) reads as the plain loss would.
+
+    Only what is logged changes; it must be added before the callback that prints the logs."""
+
+    #: The logged figures it divides, and the name each quotient is logged under.
+    PER_DIMENSION = {"loss": "loss_per_dim", "train_loss": "train_loss_per_dim"}
+
+    def __init__(self, total_weight: float):
+        self.total_weight = total_weight
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for name, per_dimension in self.PER_DIMENSION.items():
+            if logs is not None and isinstance(logs.get(name), (int, float)):
+                logs[per_dimension] = logs[name] / self.total_weight
+
+
 class StepMemoryRecorder(TrainerCallback):
     """Measures each optimizer step twice over: the whole step (``peak_mib``: what ``mini_batch_size="auto"``'s
     budget bounds), and its part up to the optimizer's update (``forward_backward_peak_mib``: what caching
