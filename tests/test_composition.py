@@ -1,7 +1,7 @@
 """Every documented combination of wrapper × cross-batch memory × inner loss × option trains right, or is refused.
 
 Each supported combination trains three steps on three kinds of data (distinct rows; a positive repeated within
-the batch and a repeated row; rows that come back in the next step) cached at a mini-batch of 2 and in one pass,
+the batch and a repeated row; rows that come back in the next step) cached at a mini-batch of 4 and in one pass,
 and the two agree at every step (value and every gradient: the queue, the masks and the draws are the same
 whatever the mini-batch). Where upstream has the same computation without caching (distinct rows, an empty queue
 at the first step), the first step's gradients equal upstream's. Every other combination is refused when the
@@ -25,6 +25,8 @@ from st_ext._compat import st_losses
 upstream = st_losses()
 BATCH = 6
 STEPS = 3
+#: Rows per mini-batch of the cached runs: a step of 12 texts in three or more forward passes.
+MINI_BATCH = 4
 DIMS = [32, 16]
 #: Whether the installed MultipleNegativesRankingLoss scores other directions than query to document (not 4.x).
 HAS_DIRECTIONS = "directions" in inspect.signature(upstream.MultipleNegativesRankingLoss).parameters
@@ -108,13 +110,13 @@ def expected_refusal(combination: Combination) -> tuple[type[Exception], str] | 
     """The one-line error a combination the docs do not support raises when built: (type, words it holds)."""
     if combination.memory and combination.inner == "self_guided_gist":
         return TypeError, "CrossBatchMemoryLoss cannot wrap CachedGISTEmbedLoss"
-    if combination.memory and combination.inner == "cached_symmetric":
-        return TypeError, "CrossBatchMemoryLoss cannot wrap CachedMultipleNegativesSymmetricRankingLoss"
     if combination.inner == "cached_symmetric" and combination.option == "document_ids":
         return (
             TypeError,
             "CachedMultipleNegativesSymmetricRankingLoss: got an unexpected keyword argument 'document_ids'",
         )
+    if combination.memory and combination.inner == "cached_symmetric":
+        return TypeError, "CrossBatchMemoryLoss cannot wrap CachedMultipleNegativesSymmetricRankingLoss"
     if combination.inner == "triplet" and combination.option in ("document_ids", "query_bank"):
         return ValueError, "query_bank and document_ids apply to ranking losses"
     if combination.option == "query_bank" and not HAS_DIRECTIONS:
@@ -241,7 +243,7 @@ def test_a_supported_combination_trains_as_its_reference(model4, combination, sh
     batches = (labelled_batches if combination.labelled else ranking_batches)(shape)
     if not combination.memory:
         batches = batches[:2]  # nothing carries over from one step to the next
-    cached = train_steps(model4, build(combination, model4, 2), batches)
+    cached = train_steps(model4, build(combination, model4, MINI_BATCH), batches)
     one_pass = train_steps(model4, build(combination, model4, None), batches)
     for step, (actual, expected) in enumerate(zip(cached, one_pass)):
         assert torch.isfinite(actual[0]), f"step {step}"
@@ -255,6 +257,6 @@ def test_a_supported_combination_trains_as_its_reference(model4, combination, sh
 def test_an_unsupported_combination_is_refused_when_built(model4, combination):
     error_type, words = expected_refusal(combination)
     with pytest.raises(error_type) as refused:
-        build(combination, model4, 2)
+        build(combination, model4, MINI_BATCH)
     message = str(refused.value)
     assert words in message and "\n" not in message
