@@ -8,7 +8,7 @@ of a mini-batch's layers through one graph (docs/cached-losses.md). Layers and d
 from Python's ``random`` in upstream's order (the final layer's dimensions, then the layers, then
 each layer's dimensions), and the release-dependent rules come from :class:`st_ext._compat.AdaptiveLayerRules`,
 so a seeded run trains what upstream's would. Over ``CrossBatchMemoryLoss`` each layer ranks against
-its own queue; a memory around a non-cached loss is refused.
+its own queue, around any loss a memory takes (:mod:`st_ext.losses.cross_batch_memory`).
 """
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ class LayerwiseGradCache:
 
 LAYERWISE_NOTE = (
     "over a cached loss (st_ext's or upstream's ``CachedMultipleNegativesRankingLoss``, "
-    "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, ``CrossBatchMemoryLoss`` over a "
-    "cached ranking loss, or st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
+    "``CachedMultipleNegativesSymmetricRankingLoss``, ``CachedGISTEmbedLoss``, any ``CrossBatchMemoryLoss``, or "
+    "st_ext's ``MatryoshkaLoss`` over one of these) the layers are cached too: memory is "
     "bounded by one mini-batch (see :mod:`st_ext.losses.adaptive_layer`)."
 )
 

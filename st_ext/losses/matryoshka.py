@@ -71,8 +71,7 @@ def matryoshka_loss_from_embeddings(
 _NOTE = (
     "over a cached loss (``CachedMultipleNegativesRankingLoss``, ``CachedMultipleNegativesSymmetricRankingLoss``, "
     "``CachedGISTEmbedLoss``, upstream's or st_ext's; on 5.7+ every loss on upstream's GradCache base such as "
-    "``MegaBatchMarginLoss``; ``CrossBatchMemoryLoss`` over a cached ranking loss, whose queue is truncated with "
-    "the batch), GradCache runs in this wrapper: peak memory does not grow with the number of dimensions, the "
+    "``MegaBatchMarginLoss``; any ``CrossBatchMemoryLoss``, whose queue is truncated with the batch), GradCache runs in this wrapper: peak memory does not grow with the number of dimensions, the "
     "wrapped instance is never modified, and ``n_dims_per_step`` is honoured (4.x's upstream ignores it for "
     "cached losses; GradCache: https://huggingface.co/papers/2101.06983). Every other loss runs through upstream's "
     "implementation."
