@@ -1,7 +1,8 @@
-"""The contract of the cached losses (``st_ext/losses/cached_loss.py``): wrappers are functions of a loss's
-description and never name each other; the engine runs a loss's own description as its forward does; a
-loss over embeddings gets the mini-batch size the auto mode resolved as an argument, and nothing is
-written on a loss during a step; a cross-batch memory hands its queue to the wrapped loss's own scoring."""
+"""The contract of the cached losses (``st_ext/losses/loss_functions.py``, the engine's ``LossStep``): wrappers are
+functions of a loss's description and never name each other; the engine runs a loss's own description as its
+forward does; a loss over embeddings gets the mini-batch size the auto mode resolved as an argument, and nothing is
+written on a loss during a step; a cross-batch memory, which scores every step itself, refuses a subclass whose
+scoring it would skip."""
 
 from __future__ import annotations
 
