@@ -97,6 +97,8 @@ def applies(combination: Combination) -> bool:
     inner, option = combination.inner, combination.option
     if not combination.memory and inner in ("mnrl", "triplet"):
         return False  # upstream's own losses, nothing of st_ext's
+    if inner == "cached_symmetric" and not HAS_DIRECTIONS:
+        return False  # 4.x's cached symmetric loss averages per mini-batch: its value is the mini-batch size's
     if option in ("kept_graphs", "auto"):
         return inner in CACHED_INNERS
     if option == "query_bank":
@@ -136,7 +138,7 @@ def build(combination: Combination, model, mini_batch_size: int | None) -> torch
     ranking_options = (
         {"directions": ("query_to_doc", "query_to_query", "doc_to_query")} if option == "directions" else {}
     )
-    if option == "query_bank":
+    if option == "query_bank" and HAS_DIRECTIONS:
         ranking_options = {"directions": ("query_to_doc", "query_to_query")}
     document_ids = {"document_ids": "label"} if option == "document_ids" else {}
     if combination.inner == "cached_mnrl":
