@@ -360,8 +360,8 @@ def test_token_budget_packs_rows_validates_and_errors_as_upstream(model, guide):
     budget, a longer row goes alone; a budget <= 0 is refused at construction; features without token
     counts (no ``attention_mask``, not flattened) are refused at the first batch.
 
-    st_ext: the same packing (across columns where they share forward passes, each pass within the
-    budget and never ended early), the same refusals, gradients equal to the uncached loss and to
+    st_ext: the same packing (each pass within the budget and ended early only at a column boundary, where
+    columns that need different widths do not share a pass), the same refusals, gradients equal to the uncached loss and to
     upstream's cached loss under the same budget. st_ext's ``CachedGISTEmbedLoss`` takes the budget on
     every release; upstream before 5.7 has no token budget at all.
     """
@@ -391,13 +391,14 @@ def test_token_budget_packs_rows_validates_and_errors_as_upstream(model, guide):
     value, grads = step_grads(model, ours, features)
     assert sum(rows for rows, _ in passes) == len(lengths) and len(passes) > 2
     assert all(tokens <= budget or rows == 1 for rows, tokens in passes), passes
-    # Greedy, in column order: a pass ends where the next row would not fit (or where a column ends,
-    # when columns are embedded apart).
+    # Greedy, in column order: a pass ends where the next row would not fit, or at a column boundary (a pass
+    # that would span one is cut there where the columns need different widths: sharing it would cost padding).
     begin = 0
     for rows, tokens in passes[:-1]:
-        begin += rows
-        assert tokens == sum(lengths[begin - rows : begin])
-        assert tokens + lengths[begin] > budget or begin % len(columns[0]) == 0, (passes, lengths)
+        start, begin = begin, begin + rows
+        assert tokens == sum(lengths[start:begin])
+        at_column_boundary = start % len(columns[0]) == 0 or begin % len(columns[0]) == 0
+        assert tokens + lengths[begin] > budget or at_column_boundary, (passes, lengths)
     expected_value, expected = step_grads(model, st_losses().GISTEmbedLoss(model, guide), features)
     torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-6)
     assert_grads_close(grads, expected, 1e-4, "token budget vs uncached")
