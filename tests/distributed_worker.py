@@ -656,7 +656,7 @@ def deepspeed_auto_run(stage: int, model_dir: Path) -> dict:
     from st_ext import losses
 
     model = load_model(model_dir)
-    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=1)
+    inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=0.5)
     loss = losses.MatryoshkaLoss(model, inner, MATRYOSHKA_DIMS)
     engine = deepspeed_engine(model, loss, stage)
     try:
