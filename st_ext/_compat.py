@@ -8,6 +8,7 @@ instead of comparing versions, probing upstream classes for features or reaching
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import importlib.metadata
@@ -465,7 +466,14 @@ def deepspeed_version() -> Version | None:
 #: Private methods of upstream classes that st_ext's subclasses override, and why no public hook serves.
 PRIVATE_METHODS_OVERRIDDEN = {
     "_save": "the Trainer hands the whole state dict it gathered under FSDP2 to ``_save`` only",
+    "_format_action_invocation": "argparse's help formatter names an option's flags only there",
 }
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every option of ``parser`` (argparse keeps them in its private ``_actions``; no public accessor lists
+    them with their help)."""
+    return parser._actions
 
 
 def can_swap_parameter_data(param: Tensor, data: Tensor) -> bool:

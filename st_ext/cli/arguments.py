@@ -17,7 +17,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from st_ext import SentenceTransformerTrainingArguments
-from st_ext._compat import parser_option
+from st_ext._compat import parser_actions, parser_option
 from st_ext.cli.job import ConfigError, TrainConfig
 from st_ext.cli.trainer_args import ALIASES, TRAINER_DEFAULTS, trainer_field_names
 
@@ -58,7 +58,7 @@ class ShowTrainerHelp(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        for action in parser._actions:
+        for action in parser_actions(parser):
             if action.dest in trainer_field_names() and action.help == argparse.SUPPRESS:
                 action.help = getattr(action, "trainer_help", None)
         parser.print_help()
@@ -68,7 +68,7 @@ class ShowTrainerHelp(argparse.Action):
 def hide_trainer_options(parser: argparse.ArgumentParser) -> None:
     """``--help`` lists st_ext's settings; the Trainer's ~120 arguments are behind ``--help-trainer``."""
     own = set(TrainConfig.field_names()) | set(ALIASES.values())
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action.dest in trainer_field_names() and action.dest not in own and action.option_strings:
             action.trainer_help = action.help
             action.help = argparse.SUPPRESS
