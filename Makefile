@@ -103,18 +103,20 @@ bench-quality: $(VENV)/st6/.ready
 	$(VENV)/st6/bin/python benchmarks/bench_quality.py $(BENCH_QUALITY_ARGS)
 
 # What the targets and the examples build: the environments and their outputs under runs/ (runs/patches-check.md
-# is tracked and stays).
-BUILT_RUNS := runs/st-ext runs/example-* runs/bench-quality runs/gpu-report runs/test-matrix.md
+# and the committed GPU report, runs/gpu-report/, are tracked and stay).
+BUILT_RUNS := runs/st-ext runs/example-* runs/bench-quality runs/gpu-report-dry-run runs/test-matrix.md
 
 clean:
 	rm -rf $(VENV) $(BUILT_RUNS)
 
 # On a machine with one CUDA GPU and no network (docs/measuring.md, "Measuring on a GPU"): one part per command,
-# `make gpu-report PART=1` ... `PART=8` (PART=2 is 2a-2d; each piece under 8 minutes on an H100), or PART=all.
-# DRY_RUN=1 runs every part on the CPU with tiny sizes. Results: runs/gpu-report/part-<part>.md and .json.
+# `make gpu-report PART=1` ... `PART=8` (PART=2 is 2a-2d; on an H200 one loss family of 2a took 2 minutes), or PART=all.
+# DRY_RUN=1 runs every part on the CPU with tiny sizes. Results: runs/gpu-report/part-<part>.md and .json
+# (tracked: the last GPU run's; a dry run writes to runs/gpu-report-dry-run/).
 # The python: GPU_PYTHON, else .venv/st6's where it exists (here), else $(PYTHON) (the GPU machine's).
 PART ?= all
-GPU_REPORT_DIR ?= runs/gpu-report
+# A dry run writes beside the committed report, never over it.
+GPU_REPORT_DIR ?= $(if $(DRY_RUN),runs/gpu-report-dry-run,runs/gpu-report)
 GPU_PYTHON ?= $(if $(wildcard $(VENV)/st6/bin/python),$(VENV)/st6/bin/python,$(PYTHON))
 
 gpu-report:

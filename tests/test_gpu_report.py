@@ -63,7 +63,9 @@ def test_what_needs_cuda_says_so(report):
 def test_the_make_target_passes_the_part_and_dry_run():
     dry = subprocess.run(["make", "-n", "gpu-report", "PART=3", "DRY_RUN=1", "GPU_PYTHON=python"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert "tools/gpu_report.py --part 3 --out runs/gpu-report --dry-run" in dry
+    assert "tools/gpu_report.py --part 3 --out runs/gpu-report-dry-run --dry-run" in dry, (
+        "a dry run never overwrites the committed GPU report"
+    )
     real = subprocess.run(["make", "-n", "gpu-report", "PART=2a", "GPU_PYTHON=python"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
-    assert "--part 2a" in real and "--dry-run" not in real
+    assert "--part 2a --out runs/gpu-report " in real + " " and "--dry-run" not in real

@@ -35,6 +35,9 @@ echo "== wheels from the registry (cp312, manylinux x86-64)"
 "$PY" -m pip download -q "${PLATFORM[@]}" -d "$DEST" \
     "sentence-transformers==$ST_VERSION" "transformers==$TRANSFORMERS_VERSION" "${EXTRA[@]}"
 
+echo "== the released sdists the patch tests unpack (the GPU machine cannot download them): $DEST/sdists"
+"$PY" -m pip download -q --no-binary :all: --no-deps -d "$DEST/sdists" "sentence-transformers==$ST_VERSION"
+
 echo "== DeepSpeed $DEEPSPEED_VERSION: published as source only; a pure-Python wheel, its kernels left to JIT"
 DS_BUILD_OPS=0 "$TORCH_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "deepspeed==$DEEPSPEED_VERSION"
 
@@ -52,8 +55,8 @@ echo "== all-MiniLM-L6-v2, float16 and compressed (tools/gpu_minilm.py)"
 "$TORCH_PY" tools/gpu_minilm.py pack "$DEST/all-MiniLM-L6-v2-fp16.tar.xz"
 
 echo "== $DEST"
-ls -l "$DEST" | tail -n +2 | awk '{printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
-total=$(du -cb "$DEST"/* | tail -1 | cut -f1)
+ls -lR "$DEST" | grep "^-" | awk '{printf "%10.2f MiB  %s\n", $5 / 1048576, $9}'
+total=$(du -sb "$DEST" | cut -f1)
 checkout=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
 awk -v t="$total" -v c="$checkout" 'BEGIN { printf "total %.1f MiB (+ checkout %.1f MiB = %.1f of 64 MiB)\n", t / 1048576, c / 1048576, (t + c) / 1048576 }'
 if [ "$total" -gt $((LIMIT_MIB * 1048576)) ]; then
