@@ -144,7 +144,7 @@ def test_memory_masks_queued_documents_of_the_anchors_document(model, cached):
         loss(features_of(model, text_columns(BATCH, 3, seed=1)), first_ids)
     queued = loss.memory_embeddings.clone()
     queued_ids = torch.cat([first_ids, torch.full((BATCH,), -1)])
-    assert torch.equal(loss.memory.document_ids, queued_ids)
+    assert torch.equal(loss.memory.document_ids, queued_ids.unsqueeze(1))  # one key per row: ids from the labels
     columns = text_columns(BATCH, 3, seed=2)
     expected = loss_and_grads(
         model, by_hand(model, DOCUMENTS, queued_documents=queued, queued_ids=queued_ids), columns, train=False

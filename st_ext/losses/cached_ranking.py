@@ -17,13 +17,12 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from st_ext._compat import st_losses, upstream_cached_loss_mixin
 from st_ext.losses._signatures import follows_upstream_signature, named_like_upstream
 from st_ext.losses.auto_mini_batch import AUTO, make_auto_mini_batch
-from st_ext.losses.gradcache import CachedLoss, Features, LossStep, batch_size_of, described, gradcache_forward
+from st_ext.losses.gradcache import CachedLoss, Features, LossStep, described, gradcache_forward
 from st_ext.losses.loss_functions import Reps
 from st_ext.losses.masked_ranking import (
     CandidateIds,
@@ -32,7 +31,7 @@ from st_ext.losses.masked_ranking import (
     refuse_scoring_overrides,
 )
 from st_ext.losses.overrides import upstream_hook_overrides
-from st_ext.losses.same_document import NO_DOCUMENT, DocumentIds, batch_document_ids, check_document_ids
+from st_ext.losses.same_document import DocumentIds, StepDocumentIds, check_document_ids
 
 _upstream = st_losses()
 #: 5.7+'s shared GradCache base (None before): every loss on it takes the labels in ``calculate_loss``.
@@ -135,16 +134,15 @@ def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> Cach
 
 
 def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
-    """A cached ranking loss whose candidates from an anchor's own document (``loss.document_ids``: each row's,
-    the positive's) are not its negatives: the anchors and positives of that document, gathered ones too."""
+    """A cached ranking loss whose candidates from an anchor's own document (``loss.document_ids``, see
+    :mod:`st_ext.losses.same_document`) are not its negatives: in every column, gathered ones too."""
 
     def start(sentence_features: list[Features], ranges, mini_batch_size: int) -> LossStep:
-        rows = batch_size_of(sentence_features[0])
+        document_ids = StepDocumentIds(loss.document_ids, sentence_features)
 
         def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-            anchors = batch_document_ids(loss.document_ids, sentence_features, labels, rows)
-            unknown = torch.full_like(anchors, NO_DOCUMENT)
-            ids = CandidateIds(anchors, [anchors] + [unknown] * (len(reps) - 2), anchors[:0], anchors[:0])
+            anchors, *columns = document_ids(labels)
+            ids = CandidateIds(anchors, columns, anchors[:0], anchors[:0])
             nothing_queued = [[reps[0][0][:0].detach()]]
             return masked_ranking_loss(
                 loss, reps + nothing_queued * 2, ids, chunk_size=mini_batch_size, with_backward=with_backward

@@ -25,7 +25,8 @@ queue in steps (``memory_size`` ≈ documents per step × a few hundred steps).
 
 With ``query_bank=True`` the anchors are queued too (ContAccum), candidates in the wrapped loss's
 ``query_to_query`` and ``doc_to_query`` directions; with ``document_ids`` every candidate of an anchor's
-own document is masked for it (:mod:`st_ext.losses.same_document`).
+own document is masked for it (:mod:`st_ext.losses.same_document`; ``"text"``: every copy of a row's
+texts, in the batch or queued).
 
 The queue is read and written only when gradients are enabled (training steps); evaluation computes
 the plain loss. st_ext's trainer saves it in every checkpoint and restores it on resume (a checkpoint
@@ -53,12 +54,15 @@ from st_ext.losses.loss_descriptions import as_cached_loss
 from st_ext.losses.loss_functions import Source
 from st_ext.losses.memory_bank import MemoryBank, enqueue
 from st_ext.losses.ranking_memory import check_ranking_options, ranking_step
-from st_ext.losses.same_document import DocumentIds, check_document_ids
+from st_ext.losses.same_document import TEXT, DocumentIds, check_document_ids, key_width
 from st_ext.losses.triplet import triplet_settings
 from st_ext.losses.triplet_memory import triplet_step
 
 DEFAULT_MEMORY_SIZE = 1024
-MEMORY_STATE_FORMAT = 1
+#: 2: document ids as keys, ``(rows, width)``, a query bank's too; 1 (still read): one id per row, a query
+#: bank's in place of its labels.
+MEMORY_STATE_FORMAT = 2
+READABLE_STATE_FORMATS = (1, 2)
 #: A memory around an uncached loss embeds the whole batch in one pass: no mini-batch is smaller.
 WHOLE_BATCH = sys.maxsize
 #: Upstream's ranking losses that also rank documents against queries, which a memory of documents cannot.
@@ -120,8 +124,9 @@ class CrossBatchMemoryLoss(nn.Module):
             in the wrapped loss's ``query_to_query`` and ``doc_to_query`` directions (it must score one
             of them; sentence-transformers releases without ``directions`` cannot).
         document_ids: ranking losses only, keyword-only: ``"label"`` or a function of the batch giving
-            each row's document id (:mod:`st_ext.losses.same_document`); candidates of an anchor's own
-            document, in the batch or queued, are not its negatives. Defaults to the wrapped loss's.
+            each row's document id, or ``"text"``: rows with an identical text are one document
+            (:mod:`st_ext.losses.same_document`); candidates of an anchor's own document, in the batch or
+            queued, are not its negatives. Defaults to the wrapped loss's.
 
     With an empty queue the value and gradients are the wrapped loss's. The queue is updated only on
     training steps (gradients enabled); :meth:`memory_state` / :meth:`load_memory_state` save and
@@ -158,7 +163,7 @@ class CrossBatchMemoryLoss(nn.Module):
         self.mask_own_positive = mask_own_positive
         check_document_ids(document_ids, type(self).__name__)
         wrapped_ids = getattr(loss, "document_ids", None)
-        if document_ids is not None and wrapped_ids is not None and document_ids is not wrapped_ids:
+        if document_ids is not None and wrapped_ids is not None and document_ids != wrapped_ids:
             raise ValueError(
                 "Give document_ids to CrossBatchMemoryLoss or to the loss it wraps, not different ones to both."
             )
@@ -166,6 +171,11 @@ class CrossBatchMemoryLoss(nn.Module):
         if (query_bank or document_ids is not None) and not self.joins_ranking:
             raise ValueError(
                 f"query_bank and document_ids apply to ranking losses; {type(loss).__name__} takes labelled rows."
+            )
+        if document_ids == TEXT and not mask_own_positive:
+            raise ValueError(
+                'document_ids="text" masks every copy of a row\'s texts, queued ones included, which '
+                "mask_own_positive=False asks to keep as negatives: drop one of the two."
             )
         if self.joins_ranking:
             check_ranking_options(loss, query_bank)
@@ -286,12 +296,13 @@ class CrossBatchMemoryLoss(nn.Module):
     def load_memory_state(self, state: dict[str, Any]) -> None:
         """Restore the queues saved by :meth:`memory_state` (the newest ``memory_size`` rows of each if they were
         larger). They move to the training device at the next step."""
-        if not isinstance(state, dict) or state.get("format") != MEMORY_STATE_FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in READABLE_STATE_FORMATS:
             raise ValueError(
                 f"Not a cross-batch memory state (format {MEMORY_STATE_FORMAT}); pass what memory_state() returned."
             )
+        width = None if self.document_ids is None else key_width(self.document_ids)
 
-        def restored(saved: dict[str, Any]) -> MemoryBank:
+        def restored(saved: dict[str, Any], *, queries: bool = False) -> MemoryBank:
             embeddings, labels = saved["embeddings"], saved["labels"]
             if embeddings is None:
                 return MemoryBank()
@@ -299,15 +310,27 @@ class CrossBatchMemoryLoss(nn.Module):
                 raise ValueError(
                     "A saved cross-batch memory needs 2-D embeddings and one label per row; the file is damaged."
                 )
-            return enqueue(MemoryBank(), embeddings, labels, self.memory_size, saved.get("document_ids"))
+            document_ids = saved.get("document_ids")
+            if state["format"] == 1 and queries and width is not None:
+                document_ids = labels
+            if document_ids is not None and document_ids.ndim == 1:
+                document_ids = document_ids.unsqueeze(1)
+            saved_width = None if document_ids is None else document_ids.shape[1]
+            if saved_width != width:
+                raise ValueError(
+                    f"The saved cross-batch memory holds {saved_width or 'no'} document key(s) per row and this one, "
+                    f"with document_ids={self.document_ids!r}, {width or 'none'}: resume with the document_ids of "
+                    "the run that saved it, or start the memory empty."
+                )
+            return enqueue(MemoryBank(), embeddings, labels, self.memory_size, document_ids)
 
         if self.query_bank and "queries" not in state:
             raise ValueError("This cross-batch memory keeps a query bank, and the saved state has none.")
         self.memory = restored(state)
         self.layer_memory = {int(layer): restored(saved) for layer, saved in state.get("layers", {}).items()}
-        self.query_memory = restored(state["queries"]) if self.query_bank else MemoryBank()
+        self.query_memory = restored(state["queries"], queries=True) if self.query_bank else MemoryBank()
         self.layer_query_memory = {
-            int(layer): restored(saved) for layer, saved in state.get("query_layers", {}).items()
+            int(layer): restored(saved, queries=True) for layer, saved in state.get("query_layers", {}).items()
         }
 
     def get_config_dict(self) -> dict[str, Any]:

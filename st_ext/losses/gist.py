@@ -58,7 +58,7 @@ from st_ext.losses.gradcache import (
     row_keys,
 )
 from st_ext.losses.overrides import upstream_hook_overrides
-from st_ext.losses.same_document import DocumentIds, batch_document_ids, check_document_ids, without_same_document
+from st_ext.losses.same_document import DocumentIds, StepDocumentIds, check_document_ids, without_same_document
 
 _upstream = st_losses()
 
@@ -217,7 +217,7 @@ def gist_loss(
     with_backward: bool,
     gather_across_devices: bool = False,
     show_progress_bar: bool = False,
-    document_ids: Tensor | None = None,
+    document_ids: list[Tensor] | None = None,
 ) -> Tensor:
     """GISTEmbed's cross-entropy over (anchor, positive, negative_1..n) embeddings, ``chunk_size`` rows at a time.
 
@@ -225,8 +225,9 @@ def gist_loss(
     ``chunk_size x batch`` memory per block (a broadcast cosine would cost ``x dim`` more). A separate
     guide's scores are never truncated: Matryoshka only transforms ``reps``. ``guide_reps=None``: the
     model guides itself with ``reps``, detached, so its guide is what the loss scores: truncated at a
-    Matryoshka dimension, a layer's own embeddings under a layer-wise loss. With ``document_ids`` (one
-    per row), candidates from a row's own document are masked too (:mod:`st_ext.losses.same_document`).
+    Matryoshka dimension, a layer's own embeddings under a layer-wise loss. With ``document_ids`` (per
+    column, each row's document keys), candidates from a row's own document are masked too
+    (:mod:`st_ext.losses.same_document`).
     """
     guide_columns = len(reps) if guide_reps is None else len(guide_reps)
     if len(reps) < 2 or len(reps) != guide_columns:
@@ -244,9 +245,11 @@ def gist_loss(
         if guide_side is not None:
             guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
         offset = get_rank() * batch_size
-    candidate_ids = (
-        gather_from_ranks(document_ids) if gather_across_devices and document_ids is not None else document_ids
-    )
+    # Each column's keys, gathered with its embeddings (the anchors stay on their rank); None: nothing masked.
+    column_ids: list[Tensor | None] = [None] * len(reps)
+    if document_ids is not None:
+        gathered = [gather_from_ranks(ids) if gather_across_devices else ids for ids in document_ids[1:]]
+        column_ids = [document_ids[0], *gathered]
     # Scores in fp32 whatever the autocast: bf16 similarities over a temperature of 0.05 move the
     # gradients, and can flip which candidates the guide suppresses (upstream's cosine stays fp32 too).
     model_side = [tensor.float() for tensor in model_side]
@@ -272,22 +275,23 @@ def gist_loss(
             threshold = guide_ap[rows, targets].unsqueeze(1)
             limit = threshold - margin if margin_strategy == "absolute" else threshold - threshold.abs() * margin
             guide_ap[rows, targets] = -math.inf  # a row's own positive is never suppressed (threshold is a copy)
-            row_ids = None if document_ids is None else document_ids[begin:end]
+            row_ids = None if document_ids is None else document_ids[0][begin:end]
 
             ap = _suppress(anchors[begin:end] @ positives.T, guide_ap, limit)
-            blocks = [without_same_document(ap, row_ids, candidate_ids, keep=(rows, targets))]
+            blocks = [without_same_document(ap, row_ids, column_ids[1], keep=(rows, targets))]
             if contrast_anchors:
                 guide_aa = guide_anchors[begin:end] @ guide_anchors.T
                 aa = _suppress(anchors[begin:end] @ anchors.T, guide_aa, limit)
-                blocks.append(without_same_document(aa, row_ids, document_ids))
+                blocks.append(without_same_document(aa, row_ids, column_ids[0]))
             if contrast_positives:
                 own = slice(offset + begin, offset + end)
                 guide_pp = guide_positives[own] @ guide_positives.T
                 pp = _suppress(positives[own] @ positives.T, guide_pp, limit)
-                blocks.append(without_same_document(pp, row_ids, candidate_ids))
-            for negatives, guide_negatives in zip(candidates[1:], guide_candidates[1:]):
+                blocks.append(without_same_document(pp, row_ids, column_ids[1]))
+            for negatives, guide_negatives, negative_ids in zip(candidates[1:], guide_candidates[1:], column_ids[2:]):
                 guide_an = guide_anchors[begin:end] @ guide_negatives.T
-                blocks.append(_suppress(anchors[begin:end] @ negatives.T, guide_an, limit))
+                an = _suppress(anchors[begin:end] @ negatives.T, guide_an, limit)
+                blocks.append(without_same_document(an, row_ids, negative_ids))
 
             scores = torch.cat(blocks, dim=1) / temperature
             chunk_loss = F.cross_entropy(scores, targets) * (end - begin) / batch_size
@@ -296,15 +300,6 @@ def gist_loss(
         if with_backward:
             backward_from_leaves(graph_ends, leaves)
         return total
-
-
-def gist_document_ids(
-    document_ids: DocumentIds | None, sentence_features: list[Features], labels: Tensor | None
-) -> Tensor | None:
-    """The batch's document ids for :func:`gist_loss`, or None without ``document_ids``."""
-    if document_ids is None:
-        return None
-    return batch_document_ids(document_ids, sentence_features, labels, batch_size_of(sentence_features[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,6 +563,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
 
         def start(sentence_features: list[Features], ranges: list[Ranges], mini_batch_size: int) -> LossStep:
             guide_reps = self.frozen_embeddings(sentence_features, ranges)
+            document_ids = StepDocumentIds(self.document_ids, sentence_features)
 
             def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
                 return gist_loss(
@@ -577,7 +573,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
                     chunk_size=mini_batch_size,
                     with_backward=with_backward,
                     show_progress_bar=self.show_progress_bar,
-                    document_ids=gist_document_ids(self.document_ids, sentence_features, labels),
+                    document_ids=document_ids(labels),
                 )
 
             return LossStep(lambda source: loss_fn)
@@ -665,7 +661,7 @@ class GISTEmbedLoss(GuidedLoss):
         guide_reps = self.frozen_embeddings(sentence_features, whole_batch)
         with inputs_kept(sentence_features):
             reps = [[self.model(features)["sentence_embedding"]] for features in sentence_features]
-        document_ids = gist_document_ids(self.document_ids, sentence_features, labels)
+        document_ids = StepDocumentIds(self.document_ids, sentence_features)(labels)
         return gist_loss(
             reps,
             guide_reps,

@@ -12,8 +12,8 @@ not hardness weighting), and with nothing masked and no query bank gives its val
 * ``doc_to_query``: each positive against every anchor, and the queued anchors.
 * ``doc_to_doc``: each positive against every document but its own row's.
 
-A candidate whose document id (:mod:`st_ext.losses.same_document`) is the anchor's is masked in every
-direction, except the anchor's own positive and, in ``doc_to_query``, the anchor itself.
+A candidate that shares a document key with the anchor (:mod:`st_ext.losses.same_document`) is masked in
+every direction, except the anchor's own positive and, in ``doc_to_query``, the anchor itself.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 @dataclass(frozen=True)
 class CandidateIds:
-    """Document ids of one batch's candidates (this rank's rows; gathered with the embeddings).
+    """Document keys of one batch's candidates (this rank's rows; gathered with the embeddings), each
+    ``(rows, width)`` (:mod:`st_ext.losses.same_document`).
 
-    ``anchors``: each row's document (its positive's), ``(rows,)``; ``columns``: per document column of
-    the batch, the document of each of its rows; ``queued_documents``/``queued_queries``: the documents
-    of the queued rows (already every rank's).
+    ``anchors``: each anchor row's keys, also those of the anchors as candidates; ``columns``: per document
+    column of the batch, the keys of each of its rows; ``queued_documents``/``queued_queries``: the keys of
+    the queued rows (already every rank's).
     """
 
     anchors: Tensor
@@ -52,7 +53,7 @@ class CandidateIds:
     @classmethod
     def unmasked(cls, rows: int, columns: int, queued_documents: int, queued_queries: int, device) -> CandidateIds:
         def none(count: int) -> Tensor:
-            return torch.full((count,), NO_DOCUMENT, dtype=torch.int64, device=device)
+            return torch.full((count, 1), NO_DOCUMENT, dtype=torch.int64, device=device)
 
         return cls(none(rows), [none(rows) for _ in range(columns)], none(queued_documents), none(queued_queries))
 

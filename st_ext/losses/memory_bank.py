@@ -20,7 +20,7 @@ from st_ext.losses.features import Features, batch_size_of, row_keys
 class MemoryBank:
     """The queue: rows oldest first, never part of a graph. ``labels`` are class labels (triplet losses)
     or document keys (ranking losses, :func:`document_keys`); ``document_ids``, where the loss masks by
-    document, the document id of each row (:mod:`st_ext.losses.same_document`).
+    document, the document keys of each row, ``(rows, width)`` (:mod:`st_ext.losses.same_document`).
 
     Updates build a new bank rather than write into this one: the graph of the step that read it may
     still need its tensors for the backward pass.
@@ -75,6 +75,12 @@ def enqueue(
         check_fits(bank.embeddings, embeddings)
         if (bank.document_ids is None) != (document_ids is None):
             raise ValueError("Rows with and without document ids cannot share a cross-batch memory.")
+        if document_ids is not None and bank.document_ids.shape[1:] != document_ids.shape[1:]:
+            raise ValueError(
+                f"The cross-batch memory holds {bank.document_ids.shape[1]} document key(s) per row and this step "
+                f'{document_ids.shape[1]}: document_ids="text" and ids from the labels cannot share a memory; call '
+                "reset_memory() when switching."
+            )
         old = [bank.embeddings, bank.labels] + ([] if document_ids is None else [bank.document_ids])
         new = [part.to(old_part.dtype) for part, old_part in zip(new, old)]
     else:

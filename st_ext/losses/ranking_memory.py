@@ -7,9 +7,9 @@ holds: one scoring, chosen when the memory is built, that also masks per anchor 
 nothing to mask (tests/test_masked_ranking.py). A subclass that overrides upstream's scoring is refused.
 
 The queue joins the step as data (:class:`RankingQueue`, a :class:`~st_ext.losses.loss_functions.BatchJoin`):
-two detached candidate columns per output (the queued documents, the queued anchors), and the document id
+two detached candidate columns per output (the queued documents, the queued anchors), and the document keys
 of each of their rows, both taken from the queue of the output's source, so that a layer ranks against its
-own layer's queue with its own ids.
+own layer's queue with its own keys.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from st_ext.losses.masked_ranking import (
     refuse_scoring_overrides,
 )
 from st_ext.losses.memory_bank import MemoryBank, document_keys, memory_like
-from st_ext.losses.same_document import NO_DOCUMENT, batch_document_ids
+from st_ext.losses.same_document import NO_DOCUMENT, StepDocumentIds
 
 if TYPE_CHECKING:
     from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss
@@ -92,11 +92,12 @@ class RankingQueue:
 
     def __init__(self, memory: CrossBatchMemoryLoss, sentence_features: list[Features], training: bool) -> None:
         self.memory = memory
-        self.sentence_features = sentence_features
         self.training = training
         #: The key of every document row (columns after the anchors, in order).
         self.keys = ranking_keys(memory.loss, sentence_features)
         self.rows = batch_size_of(sentence_features[0])
+        #: Per column, each row's document keys, with ``document_ids`` (:mod:`st_ext.losses.same_document`).
+        self.document_ids = StepDocumentIds(memory.document_ids, sentence_features)
         self._queued: dict[Source, tuple[MemoryBank, MemoryBank]] = {}
 
     def queued(self, source: Source) -> tuple[MemoryBank, MemoryBank]:
@@ -115,49 +116,43 @@ class RankingQueue:
         """The queued documents and the queued anchors as two candidate columns on ``like``'s device and dtype."""
         return [[memory_like(bank, like)[0] if bank.rows else like[:0].detach()] for bank in self.queued(source)]
 
-    def anchor_ids(self, labels: Tensor | None) -> Tensor | None:
-        """Each row's document id, with ``document_ids``; else None."""
-        if self.memory.document_ids is None:
-            return None
-        ids = batch_document_ids(self.memory.document_ids, self.sentence_features, labels, self.rows)
-        return ids.to(self.keys.device)
-
     def candidate_ids(self, source: Source, labels: Tensor | None) -> CandidateIds:
-        """The document ids of ``source``'s candidates, in :meth:`columns`' order: each row's (its document id,
-        or by token ids its positive's key when ``mask_own_positive``; else none), each document column's, and
-        the queued rows' (by token ids none: the copies are dropped)."""
+        """The document keys of ``source``'s candidates, in :meth:`columns`' order: with ``document_ids``, each
+        column's and the queued rows'; else by token ids when ``mask_own_positive`` (an anchor carries its
+        positive's key, a document its own, a queued row none: the copies are dropped); else none."""
+        documents, queries = self.queued(source)
+        column_ids = self.document_ids(labels)
+        if column_ids is not None:
+            nothing = column_ids[0][:0]
+            queued = [bank.document_ids.to(nothing.device) if bank.rows else nothing for bank in (documents, queries)]
+            return CandidateIds(column_ids[0], column_ids[1:], *queued)
         device, columns = self.keys.device, len(self.keys) // max(self.rows, 1)
+        if not self.memory.mask_own_positive:
+            return CandidateIds.unmasked(self.rows, columns, documents.rows, queries.rows, device)
 
         def unknown(count: int) -> Tensor:
-            return torch.full((count,), NO_DOCUMENT, dtype=torch.int64, device=device)
+            return torch.full((count, 1), NO_DOCUMENT, dtype=torch.int64, device=device)
 
-        documents, queries = self.queued(source)
-        anchors = self.anchor_ids(labels)
-        if anchors is not None:
-            column_ids = [anchors] + [unknown(self.rows)] * (columns - 1)
-            queued = [unknown(0) if not documents.rows else documents.document_ids.to(device)]
-            queued.append(unknown(0) if not queries.rows else queries.labels.to(device))
-            return CandidateIds(anchors, column_ids, *queued)
-        queued = [unknown(documents.rows), unknown(queries.rows)]
-        if self.memory.mask_own_positive:
-            return CandidateIds(self.keys[: self.rows], list(self.keys.split(self.rows)), *queued)
-        return CandidateIds(unknown(self.rows), [unknown(self.rows)] * columns, *queued)
+        keys = self.keys.unsqueeze(1)
+        return CandidateIds(
+            keys[: self.rows], list(keys.split(self.rows)), unknown(documents.rows), unknown(queries.rows)
+        )
 
     def after_step(self, sources: list[Source], outputs: list[Reps], labels: Tensor | None) -> None:
-        """Enqueue the step's documents (and anchors, with a query bank) into each source's queues."""
+        """Enqueue the step's documents (and anchors, with a query bank) into each source's queues: a queued
+        anchor is labelled with its positive's key, and with ``document_ids`` every queued row keeps its keys."""
         if not self.training:
             return
-        anchor_labels, document_ids = self.keys[: self.rows], None
-        anchors = self.anchor_ids(labels)
-        if anchors is not None:
-            anchor_labels = anchors
-            document_ids = torch.cat([anchors] + [torch.full_like(anchors, NO_DOCUMENT)] * (len(outputs[0]) - 2))
+        column_ids = self.document_ids(labels)
+        document_ids = anchor_ids = None
+        if column_ids is not None:
+            document_ids, anchor_ids = torch.cat(column_ids[1:]), column_ids[0]
         self.memory.check_same_sources_on_every_rank(sources)
         for source, reps in zip(sources, outputs):
             documents = torch.cat([torch.cat(column) for column in reps[1:]])
             self.memory.push(source, documents, self.keys, document_ids)
             if self.memory.query_bank:
-                self.memory.push(source, torch.cat(reps[0]), anchor_labels, queries=True)
+                self.memory.push(source, torch.cat(reps[0]), self.keys[: self.rows], anchor_ids, queries=True)
 
 
 @dataclass(frozen=True)
