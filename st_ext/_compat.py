@@ -162,6 +162,12 @@ def is_hf_model(module: nn.Module) -> bool:
     return isinstance(module, transformers.PreTrainedModel)
 
 
+def trainer_sums_loss_terms() -> bool:
+    """Whether upstream's trainer takes a loss that returns its terms by name, sums them and logs each
+    (``track_loss_components``, which 4.x's trainer lacks)."""
+    return hasattr(sentence_transformers.SentenceTransformerTrainer, "track_loss_components")
+
+
 def is_gradient_caching(loss: Any) -> bool:
     """Whether ``loss`` runs its own backward passes (GradCache hook, or per-mini-batch backward in forward):
     nothing that only watches its forward pass sees the work that produces its gradients.

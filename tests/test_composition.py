@@ -20,7 +20,7 @@ import torch
 from loss_checks import assert_same_grads, features_of, random_texts
 
 from st_ext import losses
-from st_ext._compat import st_losses
+from st_ext._compat import st_losses, trainer_sums_loss_terms
 
 upstream = st_losses()
 BATCH = 6
@@ -88,7 +88,7 @@ class Combination:
 
 INNERS = ("cached_mnrl", "mnrl", "cached_symmetric", "self_guided_gist", "triplet")
 WRAPPERS = ("none", "matryoshka", "adaptive_one_layer", "adaptive_every_layer", "matryoshka_2d")
-OPTIONS = ("plain", "document_ids", "directions", "query_bank", "kept_graphs", "auto")
+OPTIONS = ("plain", "document_ids", "directions", "query_bank", "kept_graphs", "auto", "embedding_losses")
 CACHED_INNERS = ("cached_mnrl", "cached_symmetric", "self_guided_gist")
 
 
@@ -101,6 +101,8 @@ def applies(combination: Combination) -> bool:
         return False  # 4.x's cached symmetric loss averages per mini-batch: its value is the mini-batch size's
     if option in ("kept_graphs", "auto"):
         return inner in CACHED_INNERS
+    if option == "embedding_losses":  # GOR added to the pass of a loss the engine caches (a memory's too)
+        return inner in CACHED_INNERS or combination.memory
     if option == "query_bank":
         return combination.memory
     if option == "directions":
@@ -123,6 +125,8 @@ def expected_refusal(combination: Combination) -> tuple[type[Exception], str] | 
         return ValueError, "query_bank and document_ids apply to ranking losses"
     if combination.option == "query_bank" and not HAS_DIRECTIONS:
         return ValueError, "query_bank=True needs the directions option"
+    if combination.option == "embedding_losses" and not trainer_sums_loss_terms():
+        return RuntimeError, "EmbeddingLossSum returns its terms by name"
     return None
 
 
@@ -162,6 +166,8 @@ def build(combination: Combination, model, mini_batch_size: int | None) -> torch
         inner = losses.CrossBatchMemoryLoss(
             model, inner, memory_size=64, query_bank=option == "query_bank", **document_ids
         )
+    if option == "embedding_losses":
+        inner = losses.EmbeddingLossSum(inner, {"gor": upstream.GlobalOrthogonalRegularizationLoss(model)})
     return wrap(combination.wrapper, model, inner, losses)
 
 
@@ -180,8 +186,8 @@ def wrap(wrapper: str, model, inner, namespace) -> torch.nn.Module:
 def upstream_reference(combination: Combination, model) -> torch.nn.Module | None:
     """Upstream's uncached loss of the same computation at the first step (an empty queue), or None."""
     option = combination.option
-    if combination.inner == "self_guided_gist" or option == "query_bank":
-        return None
+    if combination.inner == "self_guided_gist" or option in ("query_bank", "embedding_losses"):
+        return None  # the sum's reference is upstream's recipe, in test_embedding_loss_sum.py
     if combination.inner == "triplet":
         inner = upstream.BatchAllTripletLoss(model)
     elif combination.inner == "cached_symmetric":
@@ -217,6 +223,8 @@ def train_steps(model, loss, batches) -> list[tuple[torch.Tensor, dict[str, torc
         random.seed(step)
         torch.manual_seed(step)
         value = loss(features, labels)
+        if isinstance(value, dict):  # a loss of named terms (EmbeddingLossSum): the trainers sum them
+            value = sum(value.values())
         value.backward()
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
         results.append((value.detach(), grads))

@@ -7,7 +7,8 @@ loss name is here. st_ext replaces the cached ranking losses (st_ext's GradCache
 :class:`CachedGISTEmbedLoss` (a guide offloaded or precomputed as :class:`GuideEmbeddings`),
 :class:`DistillationLoss` (a teacher live, offloaded or precomputed as :class:`TeacherLabels`) and the
 batch triplet losses (without B×B×B tensors, with an optional memory of references); it adds
-:class:`CrossBatchMemoryLoss` and :func:`build_loss` / :func:`known_losses` (short names for the command line).
+:class:`CrossBatchMemoryLoss`, :class:`EmbeddingLossSum` (losses over the same embeddings added to a cached
+loss's pass) and :func:`build_loss` / :func:`known_losses` (short names for the command line).
 
 Each replacement takes upstream's positional arguments in the installed release's order (st_ext's own
 options are keyword-only), raises and warns as upstream does, and appears in the model card under
@@ -59,6 +60,7 @@ from st_ext.losses.cached_ranking import (  # noqa: E402
 )
 from st_ext.losses.cross_batch_memory import CrossBatchMemoryLoss  # noqa: E402
 from st_ext.losses.distillation import DistillationLoss, TeacherLabels  # noqa: E402
+from st_ext.losses.embedding_loss_sum import EmbeddingLossSum  # noqa: E402
 from st_ext.losses.gist import CachedGISTEmbedLoss, GISTEmbedLoss, GuideEmbeddings  # noqa: E402
 from st_ext.losses.matryoshka import MatryoshkaLoss  # noqa: E402
 from st_ext.losses.matryoshka_2d import Matryoshka2dLoss  # noqa: E402
@@ -75,6 +77,7 @@ ST_EXT_LOSSES = [
     "CrossBatchMemoryLoss",
     "CachedGISTEmbedLoss",
     "DistillationLoss",
+    "EmbeddingLossSum",
     "GISTEmbedLoss",
     "GuideEmbeddings",
     "Matryoshka2dLoss",

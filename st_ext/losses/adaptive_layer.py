@@ -29,7 +29,7 @@ from st_ext.losses.features import Features, Ranges
 from st_ext.losses.gradcache import LossStep, StartStep, gradcache_forward
 from st_ext.losses.layer_embeddings import LayerEmbeddings
 from st_ext.losses.loss_descriptions import as_cached_loss
-from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
+from st_ext.losses.loss_functions import LossFn, Reps, Source, plus_own_term, weighted_term
 
 _upstream = st_losses()
 
@@ -84,7 +84,7 @@ class LayerDraws:
             if with_backward:
                 kl.backward()
                 kl = kl.detach()
-            total = total + kl
+            total = plus_own_term(total, kl)
         return total
 
     def _kl_terms(self, final: Reps, layers: list[Reps]) -> Tensor:

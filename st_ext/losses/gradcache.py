@@ -93,7 +93,9 @@ class CachedLoss:
     being embedded again (0: every one is). ``start(sentence_features, ranges,
     mini_batch_size)`` opens a forward pass before any mini-batch is embedded, with each column's
     mini-batch row ranges (a frozen encoder embeds the same ones) and the size resolved for this batch (a
-    loss that scores its anchors a block at a time uses it as its block).
+    loss that scores its anchors a block at a time uses it as its block). ``terms``: empty, the loss is a
+    number; else the names of the terms its loss functions return, one value each (a sum of losses over
+    the same embeddings), and the engine returns them by name.
     """
 
     name: str
@@ -104,6 +106,7 @@ class CachedLoss:
     auto: Any = None
     show_progress_bar: bool = False
     kept_graphs: int = 0
+    terms: tuple[str, ...] = ()
 
 
 def described(loss: Any, start: StartStep) -> CachedLoss:
@@ -353,10 +356,12 @@ def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layo
     return Sizing(size, None, loss.auto.choice.checkpointing, loss.auto.choice.kept)
 
 
-def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None) -> Tensor:
+def gradcache_forward(
+    loss: CachedLoss, sentence_features: Iterable[Features], labels: Tensor | None
+) -> Tensor | dict[str, Tensor]:
     """Run steps (1) and (2) of ``loss`` (a :class:`~st_ext.losses.gradcache.CachedLoss`) and return a
     loss whose ``backward()`` runs step (3) (or, when every mini-batch keeps its graph, the plain loss with
-    its graph)."""
+    its graph); a loss with ``terms``, each term by name (their sum back-propagates)."""
     sentence_features = list(sentence_features)
     layouts = column_layouts(loss.model, sentence_features)
     batching = resolve_mini_batching(loss, sentence_features, layouts)
@@ -376,10 +381,10 @@ def gradcache_forward(loss: CachedLoss, sentence_features: Iterable[Features], l
             outputs = [reps + step.join.columns(source, reps[0][0]) for source, reps in zip(step.sources(), outputs)]
         return step.loss(outputs, labels, with_backward=with_backward)
 
-    def finished(outputs: list[Reps], value: Tensor) -> Tensor:
+    def finished(outputs: list[Reps], value: Tensor) -> Tensor | dict[str, Tensor]:
         if step.join is not None:
             step.join.after_step(step.sources(), outputs, labels)
-        return value
+        return dict(zip(loss.terms, value.unbind(), strict=True)) if loss.terms else value
 
     if grad_enabled and kept == len(plan.minibatches):
         with checkpointed(loss.model, batching.checkpointing):
@@ -439,7 +444,9 @@ def _concatenated(first: list[Reps], then: list[Reps]) -> list[Reps]:
 
 class _ReplayOnBackward(torch.autograd.Function):
     """The loss's value, whose backward runs step (3): made by an operation (with a ``grad_fn``), as
-    DeepSpeed's ``engine.backward`` requires; the leaf it is made from receives no gradient."""
+    DeepSpeed's ``engine.backward`` requires; the leaf it is made from receives no gradient. A value of
+    several terms back-propagates their sum: the cached gradient is the sum's, so every term must get the
+    same output gradient."""
 
     @staticmethod
     def forward(ctx: Any, value: Tensor, replay: Callable[[Tensor], None]) -> Tensor:
@@ -448,6 +455,14 @@ class _ReplayOnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None]:
+        if grad_output.ndim:
+            first = grad_output[0]
+            if not bool((grad_output == first).all()):
+                raise ValueError(
+                    "The terms of a cached loss over shared embeddings back-propagate together: call backward() on "
+                    "their sum (as the trainers do), not on some of them or a reweighting of them."
+                )
+            grad_output = first
         ctx.replay(grad_output)
         return None, None
 

@@ -70,3 +70,11 @@ def weighted_term(loss_fn: LossFn, reps: Reps, labels: Tensor | None, weight: fl
     if pairs:
         torch.autograd.backward([rep for rep, _ in pairs], [grad for _, grad in pairs])
     return value.detach() * weight
+
+
+def plus_own_term(value: Tensor, term: Tensor) -> Tensor:
+    """``value`` with a wrapper's own number ``term`` added (a layer-wise loss's KL divergence): to a number, or
+    to the first of a loss's terms (the wrapped loss's own; the others are losses a sum added beside it)."""
+    first = torch.zeros_like(value)
+    first.view(-1)[0] = 1
+    return value + term * first
