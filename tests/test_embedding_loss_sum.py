@@ -8,6 +8,10 @@ loss around it), the trainer's per-term log, and the refusals.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,3 +166,12 @@ def test_what_cannot_be_summed_is_refused_when_built(model, guide):
         assert "\n" not in str(error.value)
     with pytest.raises(TypeError, match="cannot be wrapped"):
         losses.EmbeddingLossSum(losses.AdaptiveLayerLoss(model, cached), {"gor": gor})
+
+
+def test_the_readmes_embeddinggemma_recipe_runs(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Losses over the same embeddings", 1)[1]
+    snippet = section.split("```py\n", 1)[1].split("```", 1)[0]
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "'info_nce'" in run.stdout and "'gor'" in run.stdout, run.stdout[-2000:]
