@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from loss_checks import features_of, text_columns
+from loss_checks import assert_bounded_by_the_mini_batch, features_of, text_columns
 
 from st_ext import losses
 from st_ext._compat import trainer_sums_loss_terms
@@ -175,3 +175,25 @@ def test_the_readmes_embeddinggemma_recipe_runs(tmp_path):
     run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "'info_nce'" in run.stdout and "'gor'" in run.stdout, run.stdout[-2000:]
+
+
+class UncachedSum(torch.nn.Module):
+    """Upstream's recipe: embed every column once, sum MNRL and GOR over the embeddings."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.mnrl, self.gor = model, losses.MultipleNegativesRankingLoss(model), upstream_gor(model)
+
+    def forward(self, sentence_features, labels=None):
+        embeddings = [self.model(features)["sentence_embedding"] for features in sentence_features]
+        gor = self.gor.compute_loss_from_embeddings(embeddings, labels)
+        return self.mnrl.compute_loss_from_embeddings(embeddings, labels) + GOR_WEIGHT * sum(gor.values())
+
+
+def test_memory_stays_bounded_by_the_mini_batch(model):
+    loss = summed(model, 16)
+
+    def cached(features, labels):
+        return sum(loss(features, labels).values())
+
+    assert_bounded_by_the_mini_batch(model, cached, UncachedSum(model))
