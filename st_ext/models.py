@@ -19,9 +19,12 @@ paths (``sentence_transformers.models.tokenizer``…) are imported from ``senten
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 import sentence_transformers
+from torch import nn
 
 from st_ext import _compat, checkpointing, model_card
 
@@ -53,7 +56,7 @@ UPSTREAM_MODULE_NAMES = [name for name in _upstream_modules.__all__ if not name.
 globals().update({name: getattr(_upstream_modules, name) for name in UPSTREAM_MODULE_NAMES})
 
 
-class CheckpointingMixin:
+class CheckpointingMixin(nn.Module):
     """Checkpointing switches for any ``nn.Module`` container; put it first among the bases."""
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> None:
@@ -80,22 +83,50 @@ class SentenceTransformer(CheckpointingMixin, sentence_transformers.SentenceTran
 
     model_card_data_class = model_card.SentenceTransformerModelCardData
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class. Arguments
-        # are bound as upstream binds them, so a positional model_card_data is seen too.
-        bound = _UPSTREAM_SENTENCE_TRANSFORMER_INIT.bind(self, *args, **kwargs)
-        if bound.arguments.get("model_card_data") is None:
-            card_options = {"local_files_only": bound.arguments.get("local_files_only", False)}
-            bound.arguments["model_card_data"] = self.model_card_data_class(
-                **_compat.accepted_kwargs(self.model_card_data_class, card_options)
-            )
-        super().__init__(*bound.args[1:], **bound.kwargs)
+    if not TYPE_CHECKING:  # a type checker reads upstream's constructor, whose arguments this one binds
 
-    __init__.__signature__ = _UPSTREAM_SENTENCE_TRANSFORMER_INIT
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # 4.x's constructor makes its default card data by name; 6.x's reads model_card_data_class. Arguments
+            # are bound as upstream binds them, so a positional model_card_data is seen too.
+            bound = _UPSTREAM_SENTENCE_TRANSFORMER_INIT.bind(self, *args, **kwargs)
+            if bound.arguments.get("model_card_data") is None:
+                card_options = {"local_files_only": bound.arguments.get("local_files_only", False)}
+                bound.arguments["model_card_data"] = self.model_card_data_class(
+                    **_compat.accepted_kwargs(self.model_card_data_class, card_options)
+                )
+            super().__init__(*bound.args[1:], **bound.kwargs)
+
+        __init__.__signature__ = _UPSTREAM_SENTENCE_TRANSFORMER_INIT
 
 
 class CrossEncoder(CheckpointingMixin, sentence_transformers.CrossEncoder):
     """Upstream ``CrossEncoder`` with checkpointing over its classifier model, on every supported version."""
+
+    if TYPE_CHECKING:  # 6.x's constructor, which upstream's decorator hides from a type checker
+
+        def __init__(
+            self,
+            model_name_or_path: str | None = None,
+            *,
+            modules: list[nn.Module] | OrderedDict[str, nn.Module] | None = None,
+            device: str | None = None,
+            prompts: dict[str, str] | None = None,
+            default_prompt_name: str | None = None,
+            cache_folder: str | None = None,
+            trust_remote_code: bool = False,
+            revision: str | None = None,
+            local_files_only: bool = False,
+            token: bool | str | None = None,
+            model_kwargs: dict | None = None,
+            processor_kwargs: dict | None = None,
+            config_kwargs: dict | None = None,
+            model_card_data: sentence_transformers.CrossEncoderModelCardData | None = None,
+            backend: Literal["torch", "onnx", "openvino"] = "torch",
+            num_labels: int | None = None,
+            max_length: int | None = None,
+            activation_fn: Callable | None = None,
+            keep_in_fp32_modules: list[str] | None = None,
+        ) -> None: ...
 
 
 if _compat.HAS_SPARSE_ENCODER:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 from torch import nn
 
@@ -27,18 +27,21 @@ NOT_IN_CARD = ("self", "model", "show_progress_bar")
 #: The attributes through which the model card reads a loss.
 CARD_ATTRIBUTES = ("citation", "get_config_dict")
 
+_Parameters = ParamSpec("_Parameters")
+_Class = TypeVar("_Class", bound=type)
 
-def upstream_parameters(upstream_class: type) -> list[inspect.Parameter]:
+
+def upstream_parameters(upstream_class: type[Any]) -> list[inspect.Parameter]:
     """The parameters of ``upstream_class.__init__`` after ``self``."""
     return list(inspect.signature(upstream_class.__init__).parameters.values())[1:]
 
 
-def upstream_default(upstream_class: type, name: str) -> Any:
+def upstream_default(upstream_class: type[Any], name: str) -> Any:
     """The default of upstream's constructor argument ``name`` (e.g. a distance function)."""
     return inspect.signature(upstream_class.__init__).parameters[name].default
 
 
-def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect.Signature:
+def reordered_signature(own: inspect.Signature, upstream_class: type[Any]) -> inspect.Signature:
     """``own`` with upstream's positional parameters first, in upstream's order, and everything
     else keyword-only, in ``own``'s order.
 
@@ -71,15 +74,19 @@ def reordered_signature(own: inspect.Signature, upstream_class: type) -> inspect
     return own.replace(parameters=positional + keyword_only)
 
 
-def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Callable]:
+def follows_upstream_signature(
+    upstream_class: type[Any],
+) -> Callable[[Callable[_Parameters, None]], Callable[_Parameters, None]]:
     """Decorate an ``__init__`` so that it binds arguments exactly as ``upstream_class`` does.
 
     The decorated function is called with every argument by name (defaults filled in), so it may
     declare its parameters in any order; with ``**upstream_arguments`` it receives there those of
-    upstream's it does not declare. Its own options that upstream lacks become keyword-only.
+    upstream's it does not declare. Its own options that upstream lacks become keyword-only. A type
+    checker reads the decorated function's own parameters: declare them in the order upstream's newest
+    release takes them, st_ext's own after ``*``.
     """
 
-    def decorate(init: Callable) -> Callable:
+    def decorate(init: Callable[_Parameters, None]) -> Callable[_Parameters, None]:
         signature = reordered_signature(inspect.signature(init), upstream_class)
 
         @functools.wraps(init)
@@ -89,11 +96,11 @@ def follows_upstream_signature(upstream_class: type) -> Callable[[Callable], Cal
             except TypeError as error:
                 raise TypeError(f"{upstream_class.__name__}: {error}") from None
             bound.apply_defaults()
-            init(**bound.arguments)
+            init(**bound.arguments)  # type: ignore[call-arg]
 
-        __init__.__signature__ = signature
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
         __init__.__doc__ = init.__doc__ or upstream_class.__init__.__doc__
-        return __init__
+        return cast("Callable[_Parameters, None]", __init__)
 
     return decorate
 
@@ -109,13 +116,13 @@ class _Absent:
         raise AttributeError(f"{(owner or type(instance)).__name__} has no {self.name!r}, as upstream's has none.")
 
 
-def named_like_upstream(upstream_class: type, note: str | None = None) -> Callable[[type], type]:
+def named_like_upstream(upstream_class: type[Any], note: str | None = None) -> Callable[[_Class], _Class]:
     """Class decorator: the model card names, links and cites the class as it does ``upstream_class``
     (:mod:`st_ext.model_card`), and ``citation``/``get_config_dict`` are hidden where upstream's class has none.
     With ``note``, the class's docstring is upstream's (4.x keeps it on ``__init__``) followed by what st_ext
     changes. The class itself is left st_ext's: its module, name and pickling are its own."""
 
-    def decorate(cls: type) -> type:
+    def decorate(cls: _Class) -> _Class:
         if cls.__name__ != upstream_class.__name__:
             raise TypeError(f"{cls.__name__} cannot be named like {upstream_class.__name__}.")
         if note is not None:
@@ -125,7 +132,7 @@ def named_like_upstream(upstream_class: type, note: str | None = None) -> Callab
             if not hasattr(upstream_class, name):
                 setattr(cls, name, _Absent(name))
         if hasattr(upstream_class, "citation"):
-            cls.citation = inspect.getattr_static(upstream_class, "citation")
+            setattr(cls, "citation", inspect.getattr_static(upstream_class, "citation"))
         return cls
 
     return decorate

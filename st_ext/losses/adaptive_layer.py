@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,10 @@ from st_ext.losses.layer_embeddings import LayerEmbeddings
 from st_ext.losses.loss_descriptions import as_cached_loss
 from st_ext.losses.loss_functions import LossFn, Reps, Source, plus_own_term, weighted_term
 
-_upstream = st_losses()
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers.sentence_transformer import losses as _upstream
+else:
+    _upstream = st_losses()
 
 
 def all_rows(reps: Reps) -> Tensor:
@@ -114,7 +117,7 @@ class LayerwiseStep(LossStep):
         return self.draws.loss_from_layers(outputs, labels, with_backward=with_backward)
 
 
-class LayerwiseGradCache:
+class LayerwiseGradCache(_upstream.AdaptiveLayerLoss):
     """What both classes add to their upstream base: GradCache over layers when the wrapped loss caches."""
 
     def _set_up(self, model: nn.Module, loss: nn.Module, arguments: dict[str, Any]) -> None:
@@ -161,6 +164,8 @@ LAYERWISE_NOTE = (
 
 @named_like_upstream(_upstream.AdaptiveLayerLoss, LAYERWISE_NOTE)
 class AdaptiveLayerLoss(LayerwiseGradCache, _upstream.AdaptiveLayerLoss):
-    @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
-    def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
-        self._set_up(model, loss, upstream_arguments)
+    if not TYPE_CHECKING:  # a type checker reads upstream's constructor, which this one takes as it is
+
+        @follows_upstream_signature(_upstream.AdaptiveLayerLoss)
+        def __init__(self, model: nn.Module, loss: nn.Module, **upstream_arguments: Any) -> None:
+            self._set_up(model, loss, upstream_arguments)

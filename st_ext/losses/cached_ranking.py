@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor, nn
 
@@ -33,7 +33,11 @@ from st_ext.losses.masked_ranking import (
 from st_ext.losses.overrides import upstream_hook_overrides
 from st_ext.losses.same_document import DocumentIds, StepDocumentIds, check_document_ids
 
-_upstream = st_losses()
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import losses as _upstream
+else:
+    _upstream = st_losses()
 #: 5.7+'s shared GradCache base (None before): every loss on it takes the labels in ``calculate_loss``.
 _CACHED_LOSS_MIXIN = upstream_cached_loss_mixin()
 
@@ -41,7 +45,7 @@ _CACHED_LOSS_MIXIN = upstream_cached_loss_mixin()
 _PLACEHOLDER_SIZE = 32
 
 
-class CachedRankingMixin:
+class CachedRankingMixin(nn.Module):
     """What both classes add to their upstream base (``st_ext_upstream_class``): the auto mode and
     st_ext's forward pass."""
 
@@ -180,16 +184,41 @@ with warnings.catch_warnings():
     class CachedMultipleNegativesRankingLoss(CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss):
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
-        @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
-        def __init__(
-            self,
-            *,
-            memory_budget_mb: float | None = None,
-            kept_graphs: int | None = None,
-            document_ids: DocumentIds | None = None,
-            **upstream_arguments: Any,
-        ) -> None:
-            self._set_up(memory_budget_mb, kept_graphs, upstream_arguments, document_ids)
+        if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
+
+            def __init__(
+                self,
+                model: SentenceTransformer,
+                scale: float = 20.0,
+                similarity_fct: Callable[[Tensor, Tensor], Tensor] = ...,
+                mini_batch_size: int | Literal["auto"] = 32,
+                mini_batch_num_tokens: int | None = None,
+                gather_across_devices: bool = False,
+                directions: tuple[Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"], ...] = (
+                    "query_to_doc",
+                ),
+                partition_mode: Literal["joint", "per_direction"] = "joint",
+                show_progress_bar: bool = False,
+                hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
+                hardness_strength: float = 0.0,
+                *,
+                memory_budget_mb: float | None = None,
+                kept_graphs: int | None = None,
+                document_ids: DocumentIds | None = None,
+            ) -> None: ...
+
+        else:
+
+            @follows_upstream_signature(_upstream.CachedMultipleNegativesRankingLoss)
+            def __init__(
+                self,
+                *,
+                memory_budget_mb: float | None = None,
+                kept_graphs: int | None = None,
+                document_ids: DocumentIds | None = None,
+                **upstream_arguments: Any,
+            ) -> None:
+                self._set_up(memory_budget_mb, kept_graphs, upstream_arguments, document_ids)
 
     @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
     class CachedMultipleNegativesSymmetricRankingLoss(
@@ -197,8 +226,30 @@ with warnings.catch_warnings():
     ):
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
 
-        @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
-        def __init__(
-            self, *, memory_budget_mb: float | None = None, kept_graphs: int | None = None, **upstream_arguments: Any
-        ) -> None:
-            self._set_up(memory_budget_mb, kept_graphs, upstream_arguments)
+        if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
+
+            def __init__(
+                self,
+                model: SentenceTransformer,
+                scale: float = 20.0,
+                similarity_fct: Callable[[Tensor, Tensor], Tensor] = ...,
+                mini_batch_size: int | Literal["auto"] = 32,
+                mini_batch_num_tokens: int | None = None,
+                gather_across_devices: bool = False,
+                show_progress_bar: bool = False,
+                *,
+                memory_budget_mb: float | None = None,
+                kept_graphs: int | None = None,
+            ) -> None: ...
+
+        else:
+
+            @follows_upstream_signature(_upstream.CachedMultipleNegativesSymmetricRankingLoss)
+            def __init__(
+                self,
+                *,
+                memory_budget_mb: float | None = None,
+                kept_graphs: int | None = None,
+                **upstream_arguments: Any,
+            ) -> None:
+                self._set_up(memory_budget_mb, kept_graphs, upstream_arguments)

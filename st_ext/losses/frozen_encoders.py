@@ -241,7 +241,7 @@ class KeyedRows:
         return cls({key: row for row, key in enumerate(state["keys"])}, state["values"])
 
 
-class FrozenEncoderHolder:
+class FrozenEncoderHolder(nn.Module):
     """A loss that holds one frozen encoder (``self.<encoder_attribute>``), resident or offloaded, and/or a
     table of its outputs (``self.<table_attribute>``), with what ``SentenceTransformerTrainer(frozen_encoders=...)``
     calls: :meth:`offload_frozen_encoder` and :meth:`precompute_frozen_encoder`."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -60,7 +60,10 @@ from st_ext.losses.gradcache import (
 from st_ext.losses.overrides import upstream_hook_overrides
 from st_ext.losses.same_document import DocumentIds, StepDocumentIds, check_document_ids, without_same_document
 
-_upstream = st_losses()
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers.sentence_transformer import losses as _upstream
+else:
+    _upstream = st_losses()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +511,7 @@ class CachedGISTEmbedLoss(GuidedLoss):
         model: nn.Module,
         guide: nn.Module | None = None,
         temperature: float = 0.01,
-        mini_batch_size: int | str = 32,
+        mini_batch_size: int | Literal["auto"] = 32,
         mini_batch_num_tokens: int | None = None,
         show_progress_bar: bool = False,
         margin_strategy: Literal["absolute", "relative"] = "absolute",

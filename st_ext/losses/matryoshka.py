@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,10 @@ from st_ext.losses.gradcache import CachedLoss, LossStep, StartStep, gradcache_f
 from st_ext.losses.loss_descriptions import as_cached_loss
 from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
 
-_upstream = st_losses()
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers.sentence_transformer import losses as _upstream
+else:
+    _upstream = st_losses()
 
 
 def shrink(embeddings: Tensor, dim: int) -> Tensor:

@@ -18,7 +18,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from sentence_transformers.util import cos_sim
@@ -31,7 +31,10 @@ from st_ext.mining import anchors_with_triplets, count_prefix, group_by_class, p
 DistanceMetric = Callable[[Tensor], Tensor]
 TripletLossFunction = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 
-_upstream = st_losses()
+if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers.sentence_transformer import losses as _upstream
+else:
+    _upstream = st_losses()
 
 
 # ---------------------------------------------------------------------------------------------

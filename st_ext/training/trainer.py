@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import sentence_transformers
 from torch import nn
@@ -43,6 +45,30 @@ from st_ext.training.fsdp_saving import fsdp_hooks_held_back, full_weights_in_pl
 from st_ext.training.memory_checkpoints import restore_memories_for_resume, save_memories
 from st_ext.training.zero3_encoders import serve_partitioned_encoders
 
+if TYPE_CHECKING:  # the types of upstream 6.x's trainer arguments, for the constructors a type checker reads
+    import torch
+    from datasets import Dataset, DatasetDict, IterableDataset
+    from sentence_transformers.base.evaluation import BaseEvaluator
+    from sentence_transformers.multi_vector_encoder.data_collator import MultiVectorEncoderDataCollator
+    from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+    from sentence_transformers.sparse_encoder.data_collator import SparseEncoderDataCollator
+    from transformers import (
+        EvalPrediction,
+        FeatureExtractionMixin,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+    )
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    from st_ext.models import MultiVectorEncoder, SentenceTransformer, SparseEncoder
+
+    TrainerDataset = Dataset | DatasetDict | IterableDataset | dict[str, Dataset]
+    ProcessingClass = PreTrainedTokenizerBase | BaseImageProcessor | FeatureExtractionMixin | ProcessorMixin
+    Optimizers = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]
+    OptimizerClassAndKwargs = tuple[type[torch.optim.Optimizer], dict[str, Any]]
+    LogitsPreprocessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 _LENT_METHODS = (
     "gradient_checkpointing_enable",
     "gradient_checkpointing_disable",
@@ -65,14 +91,16 @@ class CheckpointingTrainerMixin:
     own cached losses forwarded by st_ext's engine (:mod:`st_ext.training.engine_forwards`), and
     ``mini_batch_size="auto"``'s optimizer and log."""
 
-    def __init__(self, *args, **kwargs):
-        settings = kwargs.get("args", args[1] if len(args) > 1 else None)
-        with keep_cpu_flag(settings):
-            super().__init__(*args, **kwargs)
-        serve_partitioned_encoders(self.loss, self.model)
-        self.engine_forwards = engine_forwards(self.loss)
-        warn_upstream_replaced_losses(type(self).__name__, self.loss, self.engine_forwards)
-        check_deepspeed_setup(self.args, self.loss)
+    if not TYPE_CHECKING:  # a type checker reads the trainer's constructor (upstream's, or the one declared below)
+
+        def __init__(self, *args, **kwargs):
+            settings = kwargs.get("args", args[1] if len(args) > 1 else None)
+            with keep_cpu_flag(settings):
+                super().__init__(*args, **kwargs)
+            serve_partitioned_encoders(self.loss, self.model)
+            self.engine_forwards = engine_forwards(self.loss)
+            warn_upstream_replaced_losses(type(self).__name__, self.loss, self.engine_forwards)
+            check_deepspeed_setup(self.args, self.loss)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Upstream's ``compute_loss``; one of sentence-transformers' cached losses is forwarded by st_ext's engine."""
@@ -108,9 +136,11 @@ class CheckpointingTrainerMixin:
                 logged[name] = auto.choice
         return super().log(logs, *args, **kwargs)
 
-    def train(self, *args, **kwargs):
-        with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
-            return super().train(*args, **kwargs)
+    if not TYPE_CHECKING:  # a type checker reads upstream's train(), whose arguments this one passes on
+
+        def train(self, *args, **kwargs):
+            with lend_checkpointing_methods(self.model), plain_dict_outputs(self.model):
+                return super().train(*args, **kwargs)
 
     def override_model_in_loss(self, loss, model):
         loss = super().override_model_in_loss(loss, model)
@@ -154,44 +184,77 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
     holds what each release freed.
     """
 
-    def __init__(
-        self,
-        model=None,
-        args=None,
-        train_dataset=None,
-        eval_dataset=None,
-        loss=None,
-        *rest,
-        frozen_encoders: str = "resident",
-        resume_empty_memory: bool = False,
-        **kwargs,
-    ):
-        validate_frozen_encoder_mode(frozen_encoders)
-        loss = resolve_loss_names(loss, model)
-        switch = partial(
-            apply_frozen_encoder_mode,
-            frozen_encoders,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            prompts=getattr(args, "prompts", None),
-            show_progress_bar=not getattr(args, "disable_tqdm", False),
-        )
-        # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
-        built = isinstance(loss, (nn.Module, dict))
-        if built:
-            serve_partitioned_encoders(loss, model)  # before an encoder ZeRO-3 partitioned runs for "precompute"
-            reports = switch(loss, device=getattr(model, "device", None))
-        super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
-        if not built:  # a loss factory, built by upstream's __init__ just now
-            reports = switch(self.loss, device=self.model.device)
-        self.resume_empty_memory = resume_empty_memory
-        self.frozen_encoders = frozen_encoders
-        self.frozen_encoder_reports = reports
+    if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
-        restore_memories_for_resume(self, resume_from_checkpoint, allow_empty=self.resume_empty_memory)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        def __init__(
+            self,
+            model: SentenceTransformer | None = None,
+            args: sentence_transformers.SentenceTransformerTrainingArguments | None = None,
+            train_dataset: TrainerDataset | None = None,
+            eval_dataset: TrainerDataset | None = None,
+            loss: nn.Module
+            | dict[str, nn.Module]
+            | Callable[[SentenceTransformer], nn.Module]
+            | dict[str, Callable[[SentenceTransformer], nn.Module]]
+            | str
+            | dict[str, str | nn.Module]
+            | None = None,
+            evaluator: BaseEvaluator | list[BaseEvaluator] | None = None,
+            data_collator: SentenceTransformerDataCollator | None = None,
+            processing_class: ProcessingClass | None = None,
+            model_init: Callable[[], SentenceTransformer] | None = None,
+            compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+            callbacks: list[TrainerCallback] | None = None,
+            optimizers: Optimizers = ...,
+            optimizer_cls_and_kwargs: OptimizerClassAndKwargs | None = None,
+            preprocess_logits_for_metrics: LogitsPreprocessor | None = None,
+            *,
+            frozen_encoders: Literal["resident", "offload", "precompute"] = "resident",
+            resume_empty_memory: bool = False,
+        ) -> None: ...
+
+    else:
+
+        def __init__(
+            self,
+            model=None,
+            args=None,
+            train_dataset=None,
+            eval_dataset=None,
+            loss=None,
+            *rest,
+            frozen_encoders: str = "resident",
+            resume_empty_memory: bool = False,
+            **kwargs,
+        ):
+            validate_frozen_encoder_mode(frozen_encoders)
+            loss = resolve_loss_names(loss, model)
+            switch = partial(
+                apply_frozen_encoder_mode,
+                frozen_encoders,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                prompts=getattr(args, "prompts", None),
+                show_progress_bar=not getattr(args, "disable_tqdm", False),
+            )
+            # Before upstream's prepare_loss moves the loss, guides and teachers included, onto the model's device.
+            built = isinstance(loss, (nn.Module, dict))
+            if built:
+                serve_partitioned_encoders(loss, model)  # before an encoder ZeRO-3 partitioned runs for "precompute"
+                reports = switch(loss, device=getattr(model, "device", None))
+            super().__init__(model, args, train_dataset, eval_dataset, loss, *rest, **kwargs)
+            if not built:  # a loss factory, built by upstream's __init__ just now
+                reports = switch(self.loss, device=self.model.device)
+            self.resume_empty_memory = resume_empty_memory
+            self.frozen_encoders = frozen_encoders
+            self.frozen_encoder_reports = reports
+
+    if not TYPE_CHECKING:  # a type checker reads upstream's train(), whose arguments this one passes on
+
+        def train(self, resume_from_checkpoint=None, *args, **kwargs):
+            """Upstream's ``train``; a cross-batch memory saved with the checkpoint is restored first."""
+            restore_memories_for_resume(self, resume_from_checkpoint, allow_empty=self.resume_empty_memory)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Upstream's ``save_model``; inside a checkpoint, the cross-batch memories are written with the model,
@@ -209,11 +272,13 @@ class ResidentFrozenEncodersMixin:
     """``frozen_encoders=`` for trainers whose upstream losses hold no frozen encoder: ``"resident"`` only,
     accepted so that one training script can pass the option to any st_ext trainer."""
 
-    def __init__(self, *args, frozen_encoders: str = "resident", **kwargs):
-        require_resident(frozen_encoders, type(self).__name__)
-        super().__init__(*args, **kwargs)
-        self.frozen_encoders = frozen_encoders
-        self.frozen_encoder_reports = []
+    if not TYPE_CHECKING:  # a type checker reads the constructor each trainer declares below
+
+        def __init__(self, *args, frozen_encoders: str = "resident", **kwargs):
+            require_resident(frozen_encoders, type(self).__name__)
+            super().__init__(*args, **kwargs)
+            self.frozen_encoders = frozen_encoders
+            self.frozen_encoder_reports = []
 
 
 if _compat.HAS_SPARSE_ENCODER:
@@ -223,6 +288,32 @@ if _compat.HAS_SPARSE_ENCODER:
     ):
         """Upstream ``SparseEncoderTrainer``; ``gradient_checkpointing=True`` works on every model."""
 
+        if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
+
+            def __init__(
+                self,
+                model: SparseEncoder | None = None,
+                args: sentence_transformers.SparseEncoderTrainingArguments | None = None,
+                train_dataset: TrainerDataset | None = None,
+                eval_dataset: TrainerDataset | None = None,
+                loss: nn.Module
+                | dict[str, nn.Module]
+                | Callable[[SparseEncoder], nn.Module]
+                | dict[str, Callable[[SparseEncoder], nn.Module]]
+                | None = None,
+                evaluator: BaseEvaluator | list[BaseEvaluator] | None = None,
+                data_collator: SparseEncoderDataCollator | None = None,
+                processing_class: ProcessingClass | None = None,
+                model_init: Callable[[], SparseEncoder] | None = None,
+                compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+                callbacks: list[TrainerCallback] | None = None,
+                optimizers: Optimizers = ...,
+                optimizer_cls_and_kwargs: OptimizerClassAndKwargs | None = None,
+                preprocess_logits_for_metrics: LogitsPreprocessor | None = None,
+                *,
+                frozen_encoders: Literal["resident"] = "resident",
+            ) -> None: ...
+
 
 if _compat.HAS_MULTI_VECTOR_ENCODER:
 
@@ -230,6 +321,32 @@ if _compat.HAS_MULTI_VECTOR_ENCODER:
         ResidentFrozenEncodersMixin, CheckpointingTrainerMixin, sentence_transformers.MultiVectorEncoderTrainer
     ):
         """Upstream ``MultiVectorEncoderTrainer``; ``gradient_checkpointing=True`` works on every model."""
+
+        if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
+
+            def __init__(
+                self,
+                model: MultiVectorEncoder | None = None,
+                args: sentence_transformers.MultiVectorEncoderTrainingArguments | None = None,
+                train_dataset: TrainerDataset | None = None,
+                eval_dataset: TrainerDataset | None = None,
+                loss: nn.Module
+                | dict[str, nn.Module]
+                | Callable[[MultiVectorEncoder], nn.Module]
+                | dict[str, Callable[[MultiVectorEncoder], nn.Module]]
+                | None = None,
+                evaluator: BaseEvaluator | list[BaseEvaluator] | None = None,
+                data_collator: MultiVectorEncoderDataCollator | None = None,
+                processing_class: ProcessingClass | None = None,
+                model_init: Callable[[], MultiVectorEncoder] | None = None,
+                compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+                callbacks: list[TrainerCallback] | None = None,
+                optimizers: Optimizers = ...,
+                optimizer_cls_and_kwargs: OptimizerClassAndKwargs | None = None,
+                preprocess_logits_for_metrics: LogitsPreprocessor | None = None,
+                *,
+                frozen_encoders: Literal["resident"] = "resident",
+            ) -> None: ...
 
 
 def __getattr__(name: str):
