@@ -166,8 +166,9 @@ def build(combination: Combination, model, mini_batch_size: int | None) -> torch
         inner = losses.CrossBatchMemoryLoss(
             model, inner, memory_size=64, query_bank=option == "query_bank", **document_ids
         )
-    if option == "embedding_losses":
-        inner = losses.EmbeddingLossSum(inner, {"gor": upstream.GlobalOrthogonalRegularizationLoss(model)})
+    if option == "embedding_losses":  # 4.x has no GOR, and refuses the sum before reading what it adds
+        gor = getattr(upstream, "GlobalOrthogonalRegularizationLoss", None)
+        inner = losses.EmbeddingLossSum(inner, {"gor": gor(model) if gor else torch.nn.Identity()})
     return wrap(combination.wrapper, model, inner, losses)
 
 
