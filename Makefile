@@ -12,6 +12,8 @@ TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 PYTEST_ARGS ?=
 # Exact versions of everything `make test` installs, transitive packages too; `make lock` refreshes them.
 LOCK := requirements/lock
+# An editable install that type checkers and IDEs see (a path in a .pth file, not setuptools' import hook).
+EDITABLE := --config-settings editable_mode=compat -e
 
 # One environment per point of the supported range; requirements/<env>.txt names the versions.
 ENVS := st6 st4 st5
@@ -26,7 +28,7 @@ $(VENV)/%/.ready: pyproject.toml requirements/%.txt requirements/test.txt $$(wil
 	rm -rf $(VENV)/$*
 	$(PYTHON) -m venv $(VENV)/$*
 	$(VENV)/$*/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
-	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt $(if $(wildcard $(LOCK)/$*.txt),-c $(LOCK)/$*.txt) -e ".[cli]"
+	$(VENV)/$*/bin/pip install -q -r requirements/$*.txt -r requirements/test.txt $(if $(wildcard $(LOCK)/$*.txt),-c $(LOCK)/$*.txt) $(EDITABLE) ".[cli]"
 	touch $@
 
 # The demo gets what it needs and nothing more (no test tools), at the tested versions.
@@ -34,7 +36,7 @@ $(VENV)/demo/.ready: pyproject.toml requirements/st6.txt $(LOCK)/st6.txt
 	rm -rf $(VENV)/demo
 	$(PYTHON) -m venv $(VENV)/demo
 	$(VENV)/demo/bin/pip install -q $(TORCH) $(TORCH_INDEX_ARGS)
-	$(VENV)/demo/bin/pip install -q -r requirements/st6.txt -c $(LOCK)/st6.txt -e ".[cli]"
+	$(VENV)/demo/bin/pip install -q -r requirements/st6.txt -c $(LOCK)/st6.txt $(EDITABLE) ".[cli]"
 	touch $@
 
 demo: $(VENV)/demo/.ready
