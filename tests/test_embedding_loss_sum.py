@@ -135,7 +135,7 @@ def test_the_trainer_logs_each_term(model, tmp_path):
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=summed(model, 2))
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry and "info_nce" in entry]
-    assert logged, trainer.state.log_history
+    assert len(logged) == 2, trainer.state.log_history
     for entry in logged:
         assert entry["loss"] == pytest.approx(entry["info_nce"] + entry["gor"], rel=1e-3, abs=1e-4)
 
@@ -157,7 +157,9 @@ def test_what_cannot_be_summed_is_refused_when_built(model, guide):
         (lambda: losses.EmbeddingLossSum(cached, {"gor": gor}, {"gro": 1.0}), "weights name losses"),
         (lambda: losses.EmbeddingLossSum(cached, {"gor": gor}, {"gor": "high"}), "must be a number"),
         (lambda: losses.EmbeddingLossSum(cached, {}), "extra_losses is empty"),
-        (lambda: losses.EmbeddingLossSum(cached, {"loss": gor}), "other than name"),
+        (lambda: losses.EmbeddingLossSum(cached, {"loss": gor}), 'other than "loss"'),
+        (lambda: losses.EmbeddingLossSum(cached, {"gor": gor}, name="loss"), 'other than "loss"'),
+        (lambda: losses.EmbeddingLossSum(cached, {"gor": gor}, name="gor"), "names both"),
         (lambda: losses.EmbeddingLossSum(losses.EmbeddingLossSum(cached, {"gor": gor}), {"g": gor}), "already sums"),
     ]
     for build, message in cases:

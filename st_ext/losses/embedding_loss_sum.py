@@ -38,7 +38,8 @@ class EmbeddingLossSum(nn.Module):
             e.g. upstream's ``GlobalOrthogonalRegularizationLoss``) on the same model. A loss that returns a dict
             of terms is one term here, the sum of its values.
         weights: name -> weight of that loss (default 1.0 each).
-        name: the wrapped loss's term name in the logs (default ``"loss"``).
+        name: the wrapped loss's term name in the logs (default: its class name; never ``"loss"``, the trainer's
+            name for the total).
 
     Example::
 
@@ -55,7 +56,7 @@ class EmbeddingLossSum(nn.Module):
         extra_losses: Mapping[str, nn.Module],
         weights: Mapping[str, float] | None = None,
         *,
-        name: str = "loss",
+        name: str | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -65,6 +66,7 @@ class EmbeddingLossSum(nn.Module):
                 "upgrade to 5.x or later, or sum the losses in a module of your own."
             )
         weights = dict(weights or {})
+        name = type(loss).__name__ if name is None else name
         _check_terms(owner, loss, extra_losses, weights, name)
         self.model = loss_model(loss)
         self.loss = loss
@@ -82,6 +84,15 @@ class EmbeddingLossSum(nn.Module):
         return replace(
             inner, name=type(self).__name__, start=partial(self.start_step, inner.start), terms=self.term_names()
         )
+
+    def get_config_dict(self) -> dict:
+        """What the model card lists for this loss (upstream's losses' convention)."""
+        return {
+            "loss": type(self.loss).__name__,
+            "extra_losses": {key: type(extra).__name__ for key, extra in self.extra_losses.items()},
+            "weights": self.weights,
+            "name": self.name,
+        }
 
     def term_names(self) -> tuple[str, ...]:
         """The logged names of the terms, the wrapped loss's first."""
@@ -143,10 +154,13 @@ def _check_terms(owner: str, loss: nn.Module, extra_losses: Mapping[str, nn.Modu
         raise ValueError(f"{owner}: the wrapped loss already sums terms; give one {owner} every added loss.")
     if not extra_losses:
         raise ValueError(f"{owner}: extra_losses is empty; give at least one name -> loss.")
+    for key in (name, *extra_losses):
+        if not isinstance(key, str) or not key or key == "loss":
+            raise ValueError(f'{owner}: term names are non-empty strings other than "loss" (the total); got {key!r}.')
+    if name in extra_losses:
+        raise ValueError(f"{owner}: {name!r} names both the wrapped loss and an added one; give them different names.")
     model = loss_model(loss)
     for key, extra in extra_losses.items():
-        if not isinstance(key, str) or not key or key == name:
-            raise ValueError(f"{owner}: loss names must be non-empty strings other than name={name!r}; got {key!r}.")
         if not callable(getattr(extra, "compute_loss_from_embeddings", None)):
             raise ValueError(
                 f"{owner}: {key!r} ({type(extra).__name__}) has no compute_loss_from_embeddings(embeddings, labels), "
