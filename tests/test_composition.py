@@ -88,7 +88,9 @@ class Combination:
 
 INNERS = ("cached_mnrl", "mnrl", "cached_symmetric", "self_guided_gist", "triplet")
 WRAPPERS = ("none", "matryoshka", "adaptive_one_layer", "adaptive_every_layer", "matryoshka_2d")
-OPTIONS = ("plain", "document_ids", "directions", "query_bank", "kept_graphs", "auto", "embedding_losses")
+OPTIONS = ("plain", "document_ids", "text_ids", "directions", "query_bank", "kept_graphs", "auto", "embedding_losses")
+#: The options that mask by document, and the document_ids each gives.
+DOCUMENT_IDS = {"document_ids": "label", "text_ids": "text"}
 CACHED_INNERS = ("cached_mnrl", "cached_symmetric", "self_guided_gist")
 
 
@@ -114,14 +116,14 @@ def expected_refusal(combination: Combination) -> tuple[type[Exception], str] | 
     """The one-line error a combination the docs do not support raises when built: (type, words it holds)."""
     if combination.memory and combination.inner == "self_guided_gist":
         return TypeError, "CrossBatchMemoryLoss cannot wrap CachedGISTEmbedLoss"
-    if combination.inner == "cached_symmetric" and combination.option == "document_ids":
+    if combination.inner == "cached_symmetric" and combination.option in DOCUMENT_IDS:
         return (
             TypeError,
             "CachedMultipleNegativesSymmetricRankingLoss: got an unexpected keyword argument 'document_ids'",
         )
     if combination.memory and combination.inner == "cached_symmetric":
         return TypeError, "CrossBatchMemoryLoss cannot wrap CachedMultipleNegativesSymmetricRankingLoss"
-    if combination.inner == "triplet" and combination.option in ("document_ids", "query_bank"):
+    if combination.inner == "triplet" and combination.option in (*DOCUMENT_IDS, "query_bank"):
         return ValueError, "query_bank and document_ids apply to ranking losses"
     if combination.option == "query_bank" and not HAS_DIRECTIONS:
         return ValueError, "query_bank=True needs the directions option"
@@ -144,7 +146,7 @@ def build(combination: Combination, model, mini_batch_size: int | None) -> torch
     )
     if option == "query_bank" and HAS_DIRECTIONS:
         ranking_options = {"directions": ("query_to_doc", "query_to_query")}
-    document_ids = {"document_ids": "label"} if option == "document_ids" else {}
+    document_ids = {"document_ids": DOCUMENT_IDS[option]} if option in DOCUMENT_IDS else {}
     if combination.inner == "cached_mnrl":
         inner = losses.CachedMultipleNegativesRankingLoss(
             model, mini_batch_size=size, **cached_options, **ranking_options, **document_ids
@@ -238,12 +240,12 @@ SHAPES = ("distinct", "repeated", "returning")
 
 def shapes_of(combination: Combination) -> tuple[str, ...]:
     """A memory meets all three; without one a batch does not depend on the one before it, and only
-    ``document_ids`` treats a repeated positive differently from a distinct one."""
+    masking by document treats a repeated positive differently from a distinct one."""
     if combination.labelled:
         return ("distinct", "returning")
     if combination.memory:
         return SHAPES
-    return ("distinct", "repeated") if combination.option == "document_ids" else ("distinct",)
+    return ("distinct", "repeated") if combination.option in DOCUMENT_IDS else ("distinct",)
 
 
 @pytest.mark.parametrize(
