@@ -216,9 +216,10 @@ def test_self_guided_gist_trains_with_the_model_as_its_guide(tiny_bert_dir, pair
         (["--loss", "cached_mnrl", "--self-guided", "true"], "self_guided: 'cached_mnrl' would ignore it"),
         (
             ["--mini-batch-size", "auto", "--kept-graphs", "1"],
-            "kept_graphs: 'matryoshka_cached_gist' would ignore it (it applies to a cached loss with a fixed "
-            "mini_batch_size; auto chooses how many graphs to keep)",
+            "kept_graphs: --kept-graphs and --mini-batch-size auto do not go together (auto chooses how many graphs "
+            "to keep from the memory it measures); leave out --kept-graphs, or give --mini-batch-size a number.",
         ),
+        (["--mini-batch-size", "auto", "--kept-graphs", "0"], "--kept-graphs and --mini-batch-size auto do not go"),
         (["--loss", "mnrl", "--mini-batch-size", "8", "--kept-graphs", "1"], "'mnrl' would ignore it"),
         # The library's message names the Python arguments; the command adds their flags.
         (

@@ -278,12 +278,13 @@ def _refuse_unused_settings(config: TrainConfig, spec: LossSpec) -> None:
             not spec.cached or config.mini_batch_size != "auto",
             "it sizes mini_batch_size auto of a cached loss only",
         ),
-        (
-            "kept_graphs",
-            not spec.cached or config.mini_batch_size == "auto",
-            "it applies to a cached loss with a fixed mini_batch_size; auto chooses how many graphs to keep",
-        ),
+        ("kept_graphs", not spec.cached, "it applies to a cached loss with a fixed mini_batch_size"),
     ]
+    if spec.cached and config.mini_batch_size == "auto" and config.kept_graphs is not None:
+        raise ConfigError(
+            "kept_graphs: --kept-graphs and --mini-batch-size auto do not go together (auto chooses how many "
+            "graphs to keep from the memory it measures); leave out --kept-graphs, or give --mini-batch-size a number."
+        )
     for name, is_ignored, reason in ignored:
         if is_ignored and getattr(config, name) != getattr(defaults, name):
             raise ConfigError(
