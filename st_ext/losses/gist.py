@@ -462,9 +462,9 @@ class CachedGISTEmbedLoss(GuidedLoss):
         kept_graphs: keyword-only, with a numeric ``mini_batch_size``: how many mini-batches (the
             first ones) keep their graph for the backward instead of being embedded a second time:
             faster, with that many graphs in memory. None or 0: every mini-batch is embedded again.
-        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id:
-            candidates from a row's own document (gathered ones too) are masked as negatives
-            (:mod:`st_ext.losses.same_document`).
+        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id, or
+            ``"text"`` (rows with an identical text are one document): candidates from a row's own document
+            (gathered ones too) are masked as negatives (:mod:`st_ext.losses.same_document`).
 
     References:
         - GISTEmbed: https://huggingface.co/papers/2402.16829
@@ -605,8 +605,9 @@ class GISTEmbedLoss(GuidedLoss):
         gather_across_devices: under DDP, use every rank's candidates as negatives (5.x or newer).
         guide_embeddings: keyword-only; a :class:`GuideEmbeddings` table computed before training.
         offload_guide: keyword-only; keep the guide on the CPU between its no-grad passes.
-        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id:
-            candidates from a row's own document are masked (:mod:`st_ext.losses.same_document`).
+        document_ids: keyword-only; ``"label"`` or a function of the batch giving each row's document id, or
+            ``"text"`` (rows with an identical text are one document): candidates from a row's own document are
+            masked (:mod:`st_ext.losses.same_document`).
 
     References:
         - GISTEmbed: https://huggingface.co/papers/2402.16829
