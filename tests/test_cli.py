@@ -93,6 +93,8 @@ def test_tiny_run_writes_model_reports_and_plots(tiny_bert_dir, pairs_file, tmp_
     for line in logged:
         figures = {name: float(value) for name, value in re.findall(r"'(loss|loss_per_dim)': '?([-\d.e+]+)", line)}
         assert figures["loss_per_dim"] == pytest.approx(figures["loss"] / 2, rel=2e-3)  # both printed to 4 digits
+    assert "loss_per_dim is that sum divided by 2 (their mean)" in printed, "the log says what the figure is"
+    assert "not the loss at any one dimension" in printed
     metrics = json.loads((output / "metrics.json").read_text())
     assert set(metrics["before"]) == set(metrics["after"]) == {"32", "16"}
     rows = list(csv.DictReader((output / "memory_per_step.csv").open()))

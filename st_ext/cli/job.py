@@ -480,10 +480,14 @@ def _log_loss_per_dimension(trainer, loss) -> str | None:
         if printer is not None:
             trainer.add_callback(printer)
     dims = ", ".join(map(str, loss.matryoshka_dims))
-    mean = "their mean" if len(set(weights)) == 1 else "their weighted mean"
+    if len(set(weights)) == 1:
+        mean = f"that sum divided by {len(weights)} (their mean)"
+    else:
+        mean = f"that sum divided by the weights' total {sum(weights):g} (their weighted mean)"
     return (
         f"the logged loss is the sum of the loss at the {len(weights)} Matryoshka dimensions ({dims}); "
-        f"loss_per_dim, {mean}, reads as one dimension's loss"
+        f"loss_per_dim is {mean}: a figure on an unwrapped loss's scale to follow from step to step, not the "
+        "loss at any one dimension (each dimension's retrieval figures are evaluated after training)"
     )
 
 

@@ -28,7 +28,8 @@ def write_file(path: Path, data: bytes | str) -> Path:
 class LossPerDimension(TrainerCallback):
     """Logs ``loss_per_dim`` beside each ``loss`` (and ``train_loss``): a Matryoshka loss is the weighted sum
     of the loss at each of its dimensions, a figure that grows with their number; the sum over the weights'
-    total (with st-ext train's equal weights, the mean per dimension) reads as the plain loss would.
+    total (with st-ext train's equal weights, the mean over the dimensions) is on an unwrapped loss's scale. It
+    is no one dimension's loss.
 
     Only what is logged changes; it must be added before the callback that prints the logs."""
 
