@@ -1,19 +1,24 @@
 """tools/patches_check.py on a tiny synthetic project: the rules a patch's own tests and upstream's tests must meet.
 
 Each test builds a released tree (a package ``pkg`` with a bug: ``add`` subtracts) and a patch made with
-``git format-patch``, then runs the checker on them with this interpreter, offline, in a few seconds.
+``git format-patch``, then runs the checker on them with this interpreter, offline, in a few seconds. The last test
+checks a Hub stand-in (``tools/hub_stand_ins.py``) without which upstream's tests of a changed loss would not run.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from sentence_transformers import CrossEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import patches_check  # noqa: E402  (a tool, not a package)
+import hub_stand_ins  # noqa: E402  (a tool, not a package)
+import patches_check  # noqa: E402
 from patches_check import Series, check_patch, pytest_outcomes, ran  # noqa: E402
 
 RELEASED = {
@@ -218,3 +223,43 @@ def test_a_test_failing_in_its_run_did_run(tmp_path: Path, kind: str) -> None:
     write(tree, {**RELEASED, "tests/test_run.py": f"def test_run():\n    {body}\n"})
     outcomes = pytest_outcomes(SERIES, Path(sys.executable), tree, ["tests/test_run.py"], "run")
     assert ran(outcomes) == ("1 ran (0 passed)" if kind == "failure" else "1 ran (1 passed)")
+
+
+def test_a_tree_without_a_pytest_configuration_runs_without_the_one_above_it(tmp_path: Path) -> None:
+    """pytorch-metric-learning's sdist has no pytest configuration: its tests must not run under the one of a folder
+    above it (this project's), whose options would apply and whose folder would prefix the tests' names."""
+    write(tmp_path, {"pyproject.toml": '[tool.pytest.ini_options]\naddopts = "-k not_this_one"\n'})
+    tree = tmp_path / "tree"
+    released = {name: text for name, text in RELEASED.items() if name != "pyproject.toml"}
+    write(tree, {**released, "tests/test_run.py": "def test_run():\n    assert True\n"})
+    outcomes = pytest_outcomes(SERIES, Path(sys.executable), tree, ["tests/test_run.py"], "run")
+    assert list(outcomes) == ["tests.test_run::test_run"]
+    assert outcomes["tests.test_run::test_run"].kind == "passed"
+
+
+def test_the_environment_without_deepspeed_follows_a_change_of_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package installed in the series' environment after its copy without DeepSpeed was made reaches the copy."""
+    monkeypatch.setattr(patches_check, "WORK", tmp_path / "trees")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "source")], check=True)
+    python = tmp_path / "source" / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout.strip())
+    (site / "deepspeed").mkdir()
+    (site / "first.py").write_text("")
+    copy = patches_check.environment_without(python)
+    (site / "second.py").write_text("")
+    os.utime(site, (time.time() + 5, time.time() + 5))  # the install comes after the copy, whatever the clock's step
+    copy = patches_check.environment_without(python)
+    copied = Path(subprocess.run([str(copy), "-c", code], check=True, capture_output=True, text=True).stdout.strip())
+    assert sorted(entry.name for entry in copied.iterdir()) == ["first.py", "second.py"]
+
+
+def test_the_modular_reranker_fixture_has_a_stand_in(tmp_path: Path) -> None:
+    """The cross-encoder's cached MNRL tests load ``reranker-bert-tiny-gooaq-bce-STv54``: without its stand-in they
+    error at setup before and after a patch that changes that loss, and are not counted as run."""
+    hub_stand_ins.STAND_INS["cross-encoder-testing/reranker-bert-tiny-gooaq-bce-STv54"](tmp_path / "reranker")
+    model = CrossEncoder(str(tmp_path / "reranker"), device="cpu")
+    scores = model.predict([("a man plays the guitar", "a man plays music"), ("a dog", "a car")])
+    assert scores.shape == (2,)

@@ -123,6 +123,8 @@ STAND_INS: dict[str, Callable[[Path], None]] = {
     "sentence-transformers-testing/stsb-bert-tiny-safetensors": sentence_transformer,
     "cross-encoder-testing/reranker-bert-tiny-gooaq-bce": cross_encoder,
     "cross-encoder-testing/reranker-bert-tiny": cross_encoder,
+    # The same reranker as saved by sentence-transformers 5.4 on (modular modules.json), which save() writes there.
+    "cross-encoder-testing/reranker-bert-tiny-gooaq-bce-STv54": cross_encoder,
     "sparse-encoder-testing/splade-bert-tiny-nq": sparse_encoder,
     "sentence-transformers/static-retrieval-mrl-en-v1": static_embedding,
     "distilbert/distilbert-base-uncased": distilbert,

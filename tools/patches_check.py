@@ -146,15 +146,19 @@ def environments(series: Series) -> dict[str, Path]:
 
 
 def environment_without(python: Path) -> Path:
-    """A virtual environment with ``python``'s packages but NOT_IN_UPSTREAM_CI: its site-packages link to theirs."""
+    """A virtual environment with ``python``'s packages but NOT_IN_UPSTREAM_CI: its site-packages link to theirs.
+
+    It is made again whenever ``python``'s site-packages changed after it was made (a package installed, removed or
+    upgraded there), as links made before would miss or dangle."""
     name = python.parents[1].name + "-without-" + "-".join(NOT_IN_UPSTREAM_CI)
     destination = WORK.parent / name
-    if not (destination / ".ready").exists():
+    source = Path(
+        run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], ROOT).stdout.strip()
+    )
+    ready = destination / ".ready"
+    if not ready.exists() or ready.stat().st_mtime < source.stat().st_mtime:
         shutil.rmtree(destination, ignore_errors=True)
         run([str(python), "-m", "venv", "--without-pip", str(destination)], ROOT)
-        source = Path(
-            run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], ROOT).stdout.strip()
-        )
         target = Path(
             run(
                 [str(destination / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -165,7 +169,7 @@ def environment_without(python: Path) -> Path:
         for entry in source.iterdir():
             if not excluded.match(entry.name) and not (target / entry.name).exists():
                 (target / entry.name).symlink_to(entry)
-        (destination / ".ready").touch()
+        ready.touch()
     return destination / "bin" / "python"
 
 
@@ -316,6 +320,7 @@ def pytest_outcomes(
         "no:cacheprovider",
         f"--junitxml={report}",
         "--tb=native",
+        *configuration_options(tree),
         *(options or []),
         *files,
     ]
@@ -333,6 +338,32 @@ def pytest_outcomes(
         else:
             outcomes[name] = Outcome("skipped" if case.find("skipped") is not None else "passed")
     return outcomes
+
+
+def configuration_options(tree: Path) -> list[str]:
+    """pytest's options that keep a run to the tree's own configuration: without one, pytest takes the first it finds
+    in a folder above the tree (this project's, whose options then apply and whose folder names the tests)."""
+    options = [f"--rootdir={tree}"]
+    if not has_pytest_configuration(tree):
+        empty = tree.parent / "no-pytest-configuration.ini"
+        empty.write_text("[pytest]\n")
+        options += ["-c", str(empty)]
+    return options
+
+
+def has_pytest_configuration(tree: Path) -> bool:
+    """Whether pytest finds its configuration in ``tree`` itself, by the files and sections it reads."""
+    sections = {
+        "pyproject.toml": r"^\[tool\.pytest(\.ini_options)?\]",
+        "tox.ini": r"^\[pytest\]",
+        "setup.cfg": r"^\[tool:pytest\]",
+    }
+    if (tree / "pytest.ini").is_file() or (tree / ".pytest.ini").is_file():
+        return True
+    return any(
+        (tree / name).is_file() and re.search(section, (tree / name).read_text(errors="replace"), flags=re.MULTILINE)
+        for name, section in sections.items()
+    )
 
 
 KINDS = ("passed", "failed", "error", "skipped")
