@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from st_ext import _compat
 from st_ext._compat import compiled_module, is_fsdp2_module
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def gradient_sync(model: nn.Module, sync: bool) -> AbstractContextManager[None]:
@@ -89,15 +93,22 @@ def _fsdp2_gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     by FSDP2's default the root module) keeps its parameters gathered after a held backward too, so the step
     gathers it once instead of once per mini-batch; its peak is unchanged, since each forward leaves it gathered."""
     kept_gathered = (
-        [] if sync else [module for module in model.modules() if _compat.fsdp2_resharded_after_backward_only(module)]
+        []
+        if sync
+        else [
+            cast("FSDPModule", module)
+            for module in model.modules()
+            if _compat.fsdp2_resharded_after_backward_only(module)
+        ]
     )
-    model.set_requires_gradient_sync(sync)
+    sharded_model = cast("FSDPModule", model)
+    sharded_model.set_requires_gradient_sync(sync)
     for module in kept_gathered:
         module.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        sharded_model.set_requires_gradient_sync(True)
         for module in kept_gathered:
             module.set_reshard_after_backward(True, recurse=False)
 

@@ -17,10 +17,14 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from st_ext._compat import profiler_cpu_memory_events
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 CUDA_METER = "torch.cuda.max_memory_allocated"
 CPU_METER = "torch.profiler allocation events"
@@ -107,19 +111,22 @@ class _CpuWindow:
 
     def __init__(self) -> None:
         self.events: list[tuple[int, int]] = []
-        self._profiler = None
+        self._profiler: profile | None = None
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler = profiler
         with _native_stderr_silenced():
-            self._profiler.start()
+            profiler.start()
 
     def stop(self) -> None:
+        profiler = self._profiler
+        assert profiler is not None, "stop() follows start()"
         with _native_stderr_silenced():
-            self._profiler.stop()
-        self.events += profiler_cpu_memory_events(self._profiler)
+            profiler.stop()
+        self.events += profiler_cpu_memory_events(profiler)
         self._profiler = None
 
 

@@ -173,9 +173,9 @@ def fill_ragged_arange(
 
 class RunJumps(NamedTuple):
     """Where runs of a source list step by other than +1: run ``r``'s jumps are entries
-    ``start[r] : start[r] + count[r]``, each at ``offset`` inside the run, stepping by ``step``."""
+    ``start[r] : start[r] + jump_count[r]``, each at ``offset`` inside the run, stepping by ``step``."""
 
-    count: torch.Tensor
+    jump_count: torch.Tensor
     start: torch.Tensor
     offset: torch.Tensor
     step: torch.Tensor
@@ -218,7 +218,7 @@ def fill_repeated_runs(
     block_jump = first.clone()
     block_jump[1:] -= last[:-1]
     out[block_offsets] = block_jump
-    jumps_per_block = jumps.count[block_run]
+    jumps_per_block = jumps.jump_count[block_run]
     jump = ragged_arange(jumps.start[block_run], jumps_per_block)
     out[torch.repeat_interleave(block_offsets, jumps_per_block) + jumps.offset[jump]] = jumps.step[jump]
     out.cumsum_(0)
@@ -284,7 +284,8 @@ def dense_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor, self_
     different = 1 - same
     if self_reference:
         same.fill_diagonal_(0)
-    return torch.where(same.unsqueeze(2) * different.unsqueeze(1))
+    anchors, positives, negatives = torch.where(same.unsqueeze(2) * different.unsqueeze(1))
+    return anchors, positives, negatives
 
 
 def all_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor | None = None) -> Triplets:
@@ -339,7 +340,7 @@ def grouped_triplets_indices(labels: torch.Tensor, ref_labels: torch.Tensor, sel
     jumps = run_jumps(negatives, run_start)
     block_run = class_of_row[pair_row]
     block_length = run_length[block_run]
-    few_jumps = int(jumps.count[block_run].sum()) <= int(block_length.sum()) // REPEATED_RUNS_MAX_JUMP_SHARE
+    few_jumps = int(jumps.jump_count[block_run].sum()) <= int(block_length.sum()) // REPEATED_RUNS_MAX_JUMP_SHARE
 
     def write(out: torch.Tensor, scratch: torch.Tensor, block_offsets: torch.Tensor) -> None:
         if few_jumps:
@@ -549,9 +550,9 @@ class TripletMarginMiner(torch.nn.Module):
             )
         if not isinstance(distance, str) and not callable(distance):
             raise TypeError(f"distance must be a name or a callable, got {type(distance).__name__}.")
-        self.margin = float(margin)
-        self.type_of_triplets = type_of_triplets
-        self.distance = distance
+        self.margin: float = float(margin)
+        self.type_of_triplets: str = type_of_triplets
+        self.distance: str | Callable = distance
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, type_of_triplets={self.type_of_triplets!r}, distance={self.distance!r}"

@@ -31,7 +31,8 @@ class SentenceTransformerModelCardData(sentence_transformers.SentenceTransformer
 
     def compute_dataset_metrics(
         self, dataset: Any, dataset_info: dict[str, Any], loss: Any, *args: Any, **kwargs: Any
-    ):
-        dataset_info = super().compute_dataset_metrics(dataset, dataset_info, loss, *args, **kwargs)
-        dataset_info["loss"]["fullname"] = card_name(loss)
-        return dataset_info
+    ) -> dict[str, Any]:
+        # Upstream annotates its result dict[str, str], but its "loss" entry is a dict.
+        metrics: dict[str, Any] = super().compute_dataset_metrics(dataset, dataset_info, loss, *args, **kwargs)
+        metrics["loss"]["fullname"] = card_name(loss)
+        return metrics

@@ -87,8 +87,8 @@ class ColumnLayout:
     ``lengths``: non-padding tokens per row (None when the features say nothing about padding);
     ``ends``: padded layout, one past each row's last scored token (the width that row needs);
     ``right_padded``: every row starts at position 0, so padding can be added on the right;
-    ``flattened``: the rows are one sequence of tokens, and ``bounds`` (``offsets``' token axis) where each
-    starts; ``has_media_axes``: some key is cut along an axis of its own (images, videos). Plain data, so that
+    ``flattened``: the rows are one sequence of tokens, and ``offsets[TOKEN]`` where each starts;
+    ``has_media_axes``: some key is cut along an axis of its own (images, videos). Plain data, so that
     planning mini-batches reads the layout without calling back into this module.
     """
 
@@ -100,7 +100,6 @@ class ColumnLayout:
     ends: np.ndarray | None = None
     right_padded: bool = False
     flattened: bool = False
-    bounds: np.ndarray | None = None
     has_media_axes: bool = False
 
 
@@ -149,7 +148,6 @@ def layout_of(features: Features) -> ColumnLayout:
         frozenset(token_axis_keys),
         **text,
         flattened=TOKEN in offsets,
-        bounds=offsets.get(TOKEN),
         has_media_axes=any(cut not in (ROW, TOKEN, SHARED, BOUNDARIES, MAX_LENGTH, SEQ_IDX) for cut in cuts.values()),
     )
 
@@ -247,14 +245,14 @@ def slice_rows(features: Features, begin: int, end: int, layout: ColumnLayout) -
         if cut == SHARED:
             sliced[key] = value.clone() if isinstance(value, Tensor) else value
         elif cut == BOUNDARIES:
-            new_bounds = torch.from_numpy(layout.bounds[begin : end + 1] - layout.bounds[begin])
+            new_bounds = torch.from_numpy(layout.offsets[TOKEN][begin : end + 1] - layout.offsets[TOKEN][begin])
             sliced[key] = new_bounds.to(device=value.device, dtype=value.dtype)
         elif cut == MAX_LENGTH:
-            sliced[key] = int(layout.lengths[begin:end].max()) if end > begin else 0
+            sliced[key] = int(np.diff(layout.offsets[TOKEN][begin : end + 1]).max()) if end > begin else 0
         elif cut == SEQ_IDX:
-            sliced[key] = value[..., layout.bounds[begin] : layout.bounds[end]] - begin
+            sliced[key] = value[..., layout.offsets[TOKEN][begin] : layout.offsets[TOKEN][end]] - begin
         elif cut == TOKEN:
-            sliced[key] = value[..., layout.bounds[begin] : layout.bounds[end]].clone()
+            sliced[key] = value[..., layout.offsets[TOKEN][begin] : layout.offsets[TOKEN][end]].clone()
         else:
             low, high = int(layout.offsets[cut][begin]), int(layout.offsets[cut][end])
             if high == low and cut != ROW:
@@ -325,8 +323,8 @@ def minibatch_features(
     return concat_slices(pieces, layouts[minibatch[0].column])
 
 
-def _pad_tokens(value: Tensor, width: int) -> Tensor:
-    if value.shape[1] == width:
+def _pad_tokens(value: Tensor, width: int | None) -> Tensor:
+    if width is None or value.shape[1] == width:
         return value
     return F.pad(value, [0, 0] * (value.ndim - 2) + [0, width - value.shape[1]])
 

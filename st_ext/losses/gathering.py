@@ -18,9 +18,9 @@ def gather_from_ranks(tensor: Tensor) -> Tensor:
         return tensor
     tensor = tensor.detach().contiguous()
     world_size = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([len(tensor)], dtype=torch.int64, device=tensor.device))
-    sizes = [int(size) for size in sizes]
+    gathered_sizes = [torch.zeros(1, dtype=torch.int64, device=tensor.device) for _ in range(world_size)]
+    dist.all_gather(gathered_sizes, torch.tensor([len(tensor)], dtype=torch.int64, device=tensor.device))
+    sizes = [int(size) for size in gathered_sizes]
     padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
     padded[: len(tensor)] = tensor
     parts = [torch.empty_like(padded) for _ in range(world_size)]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from st_ext.losses.features import BOUNDARY_KEYS, MAX_LENGTH_KEYS, ColumnLayout, Features, Ranges
+from st_ext.losses.features import BOUNDARY_KEYS, MAX_LENGTH_KEYS, TOKEN, ColumnLayout, Features, Ranges
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,9 @@ def _cut(
     current: list[tuple[int, int]] = []
     used = 0
     for column, row in rows:
-        length = int(layouts[column].lengths[row])
+        lengths = layouts[column].lengths
+        assert lengths is not None, "plan_minibatches refuses a token budget without per-row token counts"
+        length = int(lengths[row])
         if current and used + length > num_tokens:
             groups.append(current)
             current, used = [], 0
@@ -132,9 +134,14 @@ def _row_widths(features: Features, layout: ColumnLayout) -> np.ndarray | None:
 def _unpadded(minibatch: MiniBatch, widths: Sequence[np.ndarray | None]) -> list[MiniBatch]:
     """``minibatch`` as one pass where its segments are all as wide as the pass (no row is padded further than
     in a pass of its own column), else as one pass per segment."""
-    if len(minibatch) == 1 or any(widths[segment.column] is None for segment in minibatch):
+    if len(minibatch) == 1:
         return [minibatch]
-    own = [int(widths[segment.column][segment.begin : segment.end].max()) for segment in minibatch]
+    own = []
+    for segment in minibatch:
+        column_widths = widths[segment.column]
+        if column_widths is None:
+            return [minibatch]
+        own.append(int(column_widths[segment.begin : segment.end].max()))
     if len(set(own)) == 1:
         return [minibatch]
     return [(segment,) for segment in minibatch]
@@ -175,7 +182,7 @@ def can_merge(sentence_features: Sequence[Features], layouts: Sequence[ColumnLay
                 if not isinstance(other, Tensor) or other.ndim != value.ndim or other.ndim == 0:
                     return False
                 if layout.flattened:
-                    if other.shape[:-1] != value.shape[:-1] or other.shape[-1] != layout.bounds[-1]:
+                    if other.shape[:-1] != value.shape[:-1] or other.shape[-1] != layout.offsets[TOKEN][-1]:
                         return False
                 elif other.shape[0] != layout.rows or other.shape[2:] != value.shape[2:]:
                     return False

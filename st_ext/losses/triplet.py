@@ -84,9 +84,15 @@ def cosine_distance(embeddings: Tensor) -> Tensor:
 def known_pairwise_metrics() -> dict[Callable, Callable[[Tensor, Tensor], Tensor]]:
     """Batch metrics (st_ext's and upstream's, under every name the installed release defines) that
     have a B×R form, so a memory costs B×R rather than a full (B+M)×(B+M) matrix."""
-    by_name = {"euclidean_distance": euclidean_pairwise, "eucledian_distance": euclidean_pairwise}
+    by_name: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+        "euclidean_distance": euclidean_pairwise,
+        "eucledian_distance": euclidean_pairwise,
+    }
     by_name["cosine_distance"] = cosine_pairwise
-    metrics = {euclidean_distance: euclidean_pairwise, cosine_distance: cosine_pairwise}
+    metrics: dict[Callable, Callable[[Tensor, Tensor], Tensor]] = {
+        euclidean_distance: euclidean_pairwise,
+        cosine_distance: cosine_pairwise,
+    }
     for name, pairwise in by_name.items():
         function = upstream_triplet_distance(name)
         if function is not None:

@@ -53,11 +53,12 @@ def read_memory(devices: Iterable[str] = ()) -> list[MemoryReading]:
 
 def format_bytes(count: int) -> str:
     """``1536`` → ``"1.5 KiB"``: leftovers range from a bias to a whole embedding matrix."""
+    size: float = count
     for unit in ("B", "KiB", "MiB"):
-        if abs(count) < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.2f} GiB"
+        if abs(size) < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.2f} GiB"
 
 
 def return_freed_memory() -> None:

@@ -59,7 +59,8 @@ def full_weights_in_place(model: nn.Module, state_dict: Mapping[str, torch.Tenso
     tensors with shards). Non-persistent buffers (BERT's ``position_ids``) move to the whole tensors' device
     meanwhile: the Trainer gathers onto the CPU, and the model card's example must run there.
     """
-    slots, unsaved = {}, []
+    slots: dict[str, list[tuple[dict, str, torch.Tensor]]] = {}
+    unsaved = []
     for module_name, module in model.named_modules():
         prefix = state_dict_key_prefix(module_name)
         buffers = own_buffers(module)
