@@ -9,7 +9,12 @@ Prints, for every step, the triplets with a positive loss in the batch alone and
 the measured peak memory of one step with the memory and of one step over a batch as large as
 batch + memory; and that the memory saved with the trainer checkpoint loads back identical.
 
-    python examples/triplet_cross_batch_memory.py [--max-steps 30] [--batch-size 16] [--memory-size 512]
+At its defaults (16 steps of 16 summaries, a memory of 256) it took 6.9 minutes on a 2-core CPU shared with other
+jobs (load average 10): 3 minutes to compare the two steps' peaks (61 MiB against 1699 MiB for a batch of 272),
+14 s a training step; by step 16 the memory holds 240 rows and the batch's 274 triplets become 49942. 30 steps with
+a memory of 512 had taken 9.8 minutes.
+
+    python examples/triplet_cross_batch_memory.py [--max-steps 16] [--batch-size 16] [--memory-size 256]
 """
 
 import argparse
@@ -120,10 +125,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--max-steps", type=int, default=30, help="training steps")
+    parser.add_argument("--max-steps", type=int, default=16, help="training steps")
     parser.add_argument("--batch-size", type=int, default=16, help="summaries per step")
     parser.add_argument(
-        "--memory-size", type=int, default=512, help="earlier summaries the memory keeps (embeddings and labels)"
+        "--memory-size", type=int, default=256, help="earlier summaries the memory keeps (embeddings and labels)"
     )
     parser.add_argument("--output-dir", default="runs/example-triplet-memory", help="where the trainer writes")
     args = parser.parse_args()
