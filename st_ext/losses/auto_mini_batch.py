@@ -478,13 +478,16 @@ def _graph_bytes(model: nn.Module, features: Features, device: torch.device) -> 
         if storage.data_ptr() not in parameters:
             saved[storage.data_ptr()] = storage
 
+    def unpack(_: None) -> Tensor:
+        raise RuntimeError("a graph measured by _graph_bytes is never back-propagated")
+
     rng_devices = [device] if device.type == "cuda" else []
     try:
         with (
             gradient_sync(module, sync=False),
             torch.random.fork_rng(devices=rng_devices),
             torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
         ):
             module(dict(features))  # a copy: the model writes its outputs into the dict it is given
     except torch.cuda.OutOfMemoryError:
