@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import sentence_transformers
 import sentence_transformers.util as st_util
@@ -84,7 +84,7 @@ ARCHETYPE_OF_NAME = {
 def missing_archetype_error(name: str) -> ImportError | None:
     """The ImportError for ``name`` when it belongs to an archetype the installed release lacks, else None."""
     archetype = ARCHETYPE_OF_NAME.get(name)
-    since = ARCHETYPE_SINCE.get(archetype)
+    since = None if archetype is None else ARCHETYPE_SINCE.get(archetype)
     if since is None or ST_VERSION >= since:
         return None
     return ImportError(
@@ -116,7 +116,7 @@ def st_losses() -> ModuleType:
 
 def preprocess(model: nn.Module, texts: list, device: str | torch.device | None = None) -> dict:
     """Tokenize ``texts`` for ``model`` (``tokenize`` was renamed ``preprocess`` in 5.4), on ``device`` if given."""
-    method = getattr(model, "preprocess", None) or model.tokenize
+    method = getattr(model, "preprocess", None) or getattr(model, "tokenize")
     features = method(texts)
     if device is None:
         return features
@@ -125,7 +125,7 @@ def preprocess(model: nn.Module, texts: list, device: str | torch.device | None 
 
 def embedding_dimension(model: nn.Module) -> int | None:
     """The model's output embedding size (``get_sentence_embedding_dimension`` was renamed in 6.0)."""
-    method = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    method = getattr(model, "get_embedding_dimension", None) or getattr(model, "get_sentence_embedding_dimension")
     return method()
 
 
@@ -158,7 +158,7 @@ def accepted_kwargs(function, kwargs: dict) -> dict:
     return {key: value for key, value in kwargs.items() if key in names}
 
 
-def is_hf_model(module: nn.Module) -> bool:
+def is_hf_model(module: nn.Module) -> TypeGuard[transformers.PreTrainedModel]:
     return isinstance(module, transformers.PreTrainedModel)
 
 
@@ -189,7 +189,7 @@ def is_gradient_caching(loss: Any) -> bool:
     return getattr(getattr(loss, "forward", None), "__name__", "") == "forward_mini_batched"
 
 
-def upstream_loss_class(name: str) -> type | None:
+def upstream_loss_class(name: str) -> type[nn.Module] | None:
     """Upstream's loss class ``name``, or None where the installed release lacks it (4.1: ``DistillKLDivLoss``)."""
     return getattr(st_losses(), name, None)
 
@@ -211,11 +211,11 @@ def archetype_loss_class(archetype: str, name: str) -> type | None:
     return getattr(module, name, None)
 
 
-def cross_encoder_scores_features(loss_class: type) -> bool:
+def cross_encoder_scores_features(loss_class: type[nn.Module]) -> bool:
     """Whether CrossEncoder's cached ranking loss tokenizes its pairs with the model's ``preprocess`` (with a
     prompt and task) and reads ``model(features)["scores"]`` (6.x); 4.x's calls the Hugging Face classifier
     inside the loss, on raw pairs."""
-    return "prompt" in inspect.signature(loss_class.predict_minibatch).parameters
+    return "prompt" in inspect.signature(getattr(loss_class, "predict_minibatch")).parameters
 
 
 def splade_component_values(loss: Any) -> dict[str, float]:
@@ -297,8 +297,10 @@ def loss_model(loss: nn.Module) -> nn.Module | None:
 
 def compiled_module(model: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (its private ``_orig_mod``), however often; else ``model``."""
-    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model._orig_mod
+    inner = getattr(model, "_orig_mod", None)
+    while isinstance(inner, nn.Module):
+        model = inner
+        inner = getattr(model, "_orig_mod", None)
     return model
 
 
@@ -401,7 +403,7 @@ def fsdp2_resharded_after_backward_only(module: nn.Module) -> bool:
     is False."""
     if not is_fsdp2_module(module):
         return False
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    group = getattr(getattr(module, "_get_fsdp_state")(), "_fsdp_param_group", None)
     return getattr(group, "post_forward_mesh_info", False) is None and getattr(group, "reshard_after_backward", False)
 
 
@@ -536,7 +538,7 @@ def autograd_node_tensors(node: Any) -> list[Tensor]:
 def information_retrieval_evaluator() -> type:
     """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it; the old path warns)."""
     try:
-        from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+        evaluation = importlib.import_module("sentence_transformers.sentence_transformer.evaluation")
     except ImportError:
-        from sentence_transformers.evaluation import InformationRetrievalEvaluator
-    return InformationRetrievalEvaluator
+        evaluation = importlib.import_module("sentence_transformers.evaluation")
+    return evaluation.InformationRetrievalEvaluator

@@ -62,7 +62,7 @@ def add_lora_adapter(model: nn.Module, config: Any) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} already runs a peft adapter; add another with its add_adapter(name, config)."
         )
-    if transformers_accepts_peft():
+    if transformers_accepts_peft() and _compat.is_hf_model(hf_model):
         hf_model.add_adapter(config)
         return hf_model
     adapted = peft.get_peft_model(hf_model, config)

@@ -128,7 +128,7 @@ def enable(root: nn.Module, checkpoint_kwargs: dict | None = None, **extra: Any)
         method = getattr(module, "activation_checkpointing_enable", None)
         keyword = "activation_checkpointing_kwargs"
         if not callable(method):
-            method, keyword = module.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+            method, keyword = getattr(module, "gradient_checkpointing_enable"), "gradient_checkpointing_kwargs"
         method(**_compat.accepted_kwargs(method, {**extra, keyword: dict(kwargs)}))
     return [name for name, _ in targets]
 

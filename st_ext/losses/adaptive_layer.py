@@ -14,8 +14,8 @@ its own queue, around any loss a memory takes (:mod:`st_ext.losses.cross_batch_m
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +28,11 @@ from st_ext.losses._signatures import PLACEHOLDER_LOSS, follows_upstream_signatu
 from st_ext.losses.features import Features, Ranges
 from st_ext.losses.gradcache import LossStep, StartStep, gradcache_forward
 from st_ext.losses.layer_embeddings import LayerEmbeddings
-from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.loss_descriptions import as_cached_loss, engine_description
 from st_ext.losses.loss_functions import LossFn, Reps, Source, plus_own_term, weighted_term
 
 if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
+    from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import losses as _upstream
 else:
     _upstream = st_losses()
@@ -46,7 +47,9 @@ class LayerDraws:
     """What one forward pass of a layer-wise loss draws (``choose``, on its first mini-batch): the final layer's
     loss function, the layers, and each layer's loss function, each from the wrapped step's ``loss_for``."""
 
-    def __init__(self, wrapper: nn.Module, loss_for: Callable[[Source], LossFn], columns: list[Features]) -> None:
+    def __init__(
+        self, wrapper: _upstream.AdaptiveLayerLoss, loss_for: Callable[[Source], LossFn], columns: list[Features]
+    ) -> None:
         self.wrapper = wrapper
         self.loss_for = loss_for
         self.columns = columns
@@ -60,7 +63,7 @@ class LayerDraws:
         self.final_fn = self.loss_for(None)
         first = AdaptiveLayerRules.first_hidden_state
         num_layers = num_hidden_states - first
-        indices = range(num_layers - 1)
+        indices: Sequence[int] = range(num_layers - 1)
         if 0 < self.wrapper.n_layers_per_step < num_layers - 1:
             indices = random.sample(indices, self.wrapper.n_layers_per_step)
         self.layers = [index + first for index in indices]
@@ -96,19 +99,23 @@ class LayerDraws:
         teacher = F.softmax(all_rows(final) / temperature, dim=-1)
         if AdaptiveLayerRules.detached_teacher:
             teacher = teacher.detach()
-        return sum(
+        terms = [
             F.kl_div(F.log_softmax(all_rows(reps) / temperature, dim=-1), teacher, reduction="batchmean")
             * temperature
             * self.wrapper.kl_div_weight
             for reps in layers
-        )
+        ]
+        total = terms[0]
+        for kl in terms[1:]:
+            total = total + kl
+        return total
 
 
 @dataclass(frozen=True)
 class LayerwiseStep(LossStep):
     """A step whose encoder also pools the layers ``draws`` chooses, and whose loss spans all of them."""
 
-    draws: LayerDraws | None = None
+    draws: LayerDraws = field(kw_only=True)
 
     def sources(self) -> list[Source]:
         return [None, *self.draws.layers]
@@ -120,16 +127,20 @@ class LayerwiseStep(LossStep):
 class LayerwiseGradCache(_upstream.AdaptiveLayerLoss):
     """What both classes add to their upstream base: GradCache over layers when the wrapped loss caches."""
 
-    def _set_up(self, model: nn.Module, loss: nn.Module, arguments: dict[str, Any]) -> None:
+    def _set_up(self, model: SentenceTransformer, loss: nn.Module, arguments: dict[str, Any]) -> None:
         layerwise = as_cached_loss(loss) is not None
         _upstream.AdaptiveLayerLoss.__init__(self, model, PLACEHOLDER_LOSS() if layerwise else loss, **arguments)
         self.loss = loss
         self.uses_gradient_cache = layerwise
 
-    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+    # Over an EmbeddingLossSum the value is its terms by name, where upstream's forward returns one tensor.
+    def forward(  # type: ignore[override]
+        self, sentence_features: Iterable[Features], labels: Tensor | None = None
+    ) -> Tensor | dict[str, Tensor]:
         if not self.uses_gradient_cache:
-            return super().forward(sentence_features, labels)
-        inner = as_cached_loss(self.loss)
+            # Upstream annotates labels as a tensor, but passes None on to a loss that takes no labels.
+            return super().forward(sentence_features, labels)  # type: ignore[arg-type]
+        inner = engine_description(self.loss, type(self).__name__)
         description = replace(inner, name=type(self).__name__, start=partial(self.start_step, inner.start))
         return gradcache_forward(description, sentence_features, labels)
 
@@ -140,7 +151,7 @@ class LayerwiseGradCache(_upstream.AdaptiveLayerLoss):
         first mini-batch."""
         step = inner_start(sentence_features, ranges, mini_batch_size)
         draws = LayerDraws(self, step.loss_for, sentence_features)
-        return LayerwiseStep(step.loss_for, LayerEmbeddings(draws.choose), step.join, draws)
+        return LayerwiseStep(step.loss_for, LayerEmbeddings(draws.choose), step.join, draws=draws)
 
     def cached_loss(self) -> None:
         """None (upstream's implementation runs a wrapper around it) unless it caches, which no wrapper can

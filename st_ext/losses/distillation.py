@@ -15,9 +15,9 @@ ids when it can read them, else each row decoded from them (always for a ``Cross
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,10 @@ from st_ext.losses.frozen_encoders import (
 )
 from st_ext.losses.gradcache import Features
 
+if TYPE_CHECKING:
+    from sentence_transformers import CrossEncoder
+    from typing_extensions import TypeIs
+
 EMBEDDINGS, MARGINS, SCORES = "embeddings", "margins", "scores"
 _LABEL_KIND_BY_LOSS = {"MSELoss": EMBEDDINGS, "MarginMSELoss": MARGINS, "DistillKLDivLoss": SCORES}
 
@@ -55,10 +59,15 @@ def label_kind(loss: nn.Module) -> str:
     raise TypeError(f"DistillationLoss supports {supported}; got {type(loss).__name__}.")
 
 
-def is_cross_encoder(teacher: Any) -> bool:
+def is_cross_encoder(teacher: Any) -> TypeIs[CrossEncoder]:
     from sentence_transformers import CrossEncoder
 
     return isinstance(teacher, CrossEncoder)
+
+
+def student_of(loss: nn.Module) -> nn.Module:
+    """The model the wrapped loss trains: upstream's losses hold it as ``model``."""
+    return cast(nn.Module, loss.model)
 
 
 def check_teacher_kind(teacher: nn.Module, loss: nn.Module, kind: str) -> None:
@@ -82,7 +91,7 @@ def labels_from_scores(kind: str, scores: Tensor) -> Tensor:
     return margins.squeeze(1) if margins.shape[1] == 1 else margins
 
 
-def cross_encoder_scores(teacher: nn.Module, columns: Sequence[Sequence[str]]) -> Tensor:
+def cross_encoder_scores(teacher: CrossEncoder, columns: Sequence[Sequence[str]]) -> Tensor:
     """``(rows, candidates)`` scores of a CrossEncoder teacher on (column 0, column i) pairs."""
     queries = columns[0]
     scores = [
@@ -114,7 +123,8 @@ def teacher_labels_from_features(
         query, *candidates = [
             embed_frozen(teacher, features, retokenize_with, device) for features in sentence_features
         ]
-        scores = torch.stack([teacher.similarity_pairwise(query, other) for other in candidates], dim=1)
+        similarity_pairwise = cast(Callable[[Tensor, Tensor], Tensor], teacher.similarity_pairwise)
+        scores = torch.stack([similarity_pairwise(query, other) for other in candidates], dim=1)
         return labels_from_scores(kind, scores.to(device))
 
 
@@ -251,6 +261,10 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
     table_attribute = "teacher_labels"
     table_class = TeacherLabels
 
+    teacher: nn.Module | None
+    offload_teacher: bool
+    teacher_labels: TeacherLabels | None
+
     def __init__(
         self,
         loss: nn.Module,
@@ -266,7 +280,7 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         )
         self._check_encoder_and_table(teacher, teacher_labels, offload_teacher, neither=neither)
         if teacher is not None:
-            if shares_parameters(loss.model, teacher):
+            if shares_parameters(student_of(loss), teacher):
                 raise ValueError(
                     "The teacher shares parameters with the student being trained; use a separate teacher model."
                 )
@@ -275,11 +289,11 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         self.loss = loss
         self._hold_encoder(teacher, offloaded=offload_teacher)
         self.teacher_labels = teacher_labels
-        self.retokenize_with = None if teacher is None else teacher_retokenizer(loss.model, teacher)
+        self.retokenize_with = None if teacher is None else teacher_retokenizer(student_of(loss), teacher)
 
     @property
     def model(self) -> nn.Module:
-        return self.loss.model
+        return student_of(self.loss)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
         sentence_features = list(sentence_features)
@@ -299,8 +313,10 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
         looked_up = self._rows_from_table([sentence_features])
         if looked_up is not None:
             return looked_up[0]
-        with frozen_placement(self.teacher, features_device(sentence_features[0]), self.offload_teacher):
-            return teacher_labels_from_features(self.teacher, self.kind, sentence_features, self.retokenize_with)
+        teacher = self.teacher
+        assert teacher is not None, "_rows_from_table raises when neither the table nor a teacher has the rows"
+        with frozen_placement(teacher, features_device(sentence_features[0]), self.offload_teacher):
+            return teacher_labels_from_features(teacher, self.kind, sentence_features, self.retokenize_with)
 
     def _table_for(self, encoder: nn.Module, datasets: Any, **kwargs: Any) -> TeacherLabels:
         return TeacherLabels.from_dataset(self.model, encoder, self.loss, datasets, **kwargs)
@@ -308,7 +324,8 @@ class DistillationLoss(FrozenEncoderHolder, nn.Module):
     def get_config_dict(self) -> dict[str, Any]:
         """The wrapped loss and its parameters, the teacher (as upstream's GIST cards list their guide),
         and ``teacher_labels``/``offload_teacher`` only when they are in use."""
-        config = self.loss.get_config_dict() if hasattr(self.loss, "get_config_dict") else {}
+        wrapped_config = getattr(self.loss, "get_config_dict", None)
+        config = wrapped_config() if wrapped_config is not None else {}
         config = {"loss": type(self.loss).__name__, **config, "teacher": self.teacher}
         if self.teacher_labels is not None:
             config["teacher_labels"] = repr(self.teacher_labels)
@@ -352,7 +369,7 @@ def precompute_teacher_labels(
         raise ValueError(f"The dataset already has a {label_column!r} column; pass overwrite=True to replace it.")
     texts = [dataset[column] for column in columns]
     options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
-    batches = teacher_label_batches(loss.model, teacher, loss, texts, **options)
+    batches = teacher_label_batches(student_of(loss), teacher, loss, texts, **options)
     chunks = [labels for _, labels in batches]
     labels = torch.cat(chunks) if chunks else torch.empty(0)
     if label_column in dataset.column_names:

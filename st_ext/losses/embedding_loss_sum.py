@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from st_ext._compat import loss_model, trainer_sums_loss_terms
 from st_ext.losses.features import Features, Ranges
 from st_ext.losses.gradcache import CachedLoss, LossStep, StartStep, gradcache_forward
-from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.loss_descriptions import as_cached_loss, engine_description
 from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
 
 
@@ -75,12 +75,14 @@ class EmbeddingLossSum(nn.Module):
         self.weights = {key: float(weights.get(key, 1.0)) for key in extra_losses}
         self.name = name
 
-    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(
+        self, sentence_features: Iterable[Features], labels: Tensor | None = None
+    ) -> Tensor | dict[str, Tensor]:
         return gradcache_forward(self.cached_loss(), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss:
         """The wrapped loss for the engine, each of its loss functions with the added losses' terms."""
-        inner = as_cached_loss(self.loss)
+        inner = engine_description(self.loss, type(self).__name__)
         return replace(
             inner, name=type(self).__name__, start=partial(self.start_step, inner.start), terms=self.term_names()
         )
@@ -132,7 +134,7 @@ def summed_terms(
 def loss_over_embeddings(extra: nn.Module, columns: int, reps: Reps, labels: Tensor | None, *, with_backward: bool):
     """``extra`` over the first ``columns`` of ``reps``, each a whole column; a dict of terms summed."""
     embeddings = [torch.cat(column) for column in reps[:columns]]
-    value = extra.compute_loss_from_embeddings(embeddings, labels)
+    value = getattr(extra, "compute_loss_from_embeddings")(embeddings, labels)
     if isinstance(value, Mapping):
         value = torch.stack(list(value.values())).sum()
     if with_backward:

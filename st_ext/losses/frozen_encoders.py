@@ -145,7 +145,10 @@ def shares_parameters(first: nn.Module, second: nn.Module) -> bool:
 
 def frozen_placement(encoder: nn.Module, device: str | torch.device | None, offloaded: bool):
     """Where a frozen encoder runs: on ``device`` just for this pass when offloaded, else where it lives."""
-    return offload.on_device(encoder, device) if offloaded else nullcontext()
+    if not offloaded:
+        return nullcontext()
+    assert device is not None, "an offloaded encoder runs where the batch is"
+    return offload.on_device(encoder, device)
 
 
 def text_columns(dataset: Any) -> list[str]:
@@ -188,7 +191,7 @@ class KeyedRows:
         return len(self.keys)
 
     @staticmethod
-    def keys_of(features: Any) -> list[bytes]:
+    def keys_of(features: Any, /) -> list[bytes]:
         raise NotImplementedError
 
     @classmethod
@@ -290,6 +293,7 @@ class FrozenEncoderHolder(nn.Module):
         """Hold ``encoder``: as a submodule (resident, moved with the loss), or offloaded to the CPU outside
         the module tree, so that the trainer's ``loss.to(device)`` leaves it there and ``state_dict`` lacks it."""
         if offloaded:
+            assert encoder is not None, "_check_encoder_and_table refuses an offload without an encoder"
             if parameters_sharded(encoder):
                 raise ValueError(
                     f"{self.offload_attribute}=True (or frozen_encoders='offload') cannot move this "

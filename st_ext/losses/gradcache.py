@@ -145,9 +145,10 @@ class RngState:
         with fork, _single_generator_replay(self.mps_state):
             torch.set_rng_state(self.cpu_state)
             # Through the tensors' own device module: set_device_states picks the default accelerator's.
-            device_module = getattr(torch, self.device_type) if self.devices else None
-            for device, state in zip(self.devices, self.device_states):
-                device_module.set_rng_state(state, device)
+            if self.device_type is not None:
+                device_module = getattr(torch, self.device_type)
+                for device, state in zip(self.devices, self.device_states):
+                    device_module.set_rng_state(state, device)
             yield
 
 
@@ -173,7 +174,11 @@ def embeds_with_static_embedding(model: nn.Module) -> bool:
         return False
     first = model[0]
     routes = getattr(first, "sub_modules", None)
-    inputs = [next(iter(route), None) for route in routes.values()] if hasattr(routes, "values") else [first]
+    inputs = (
+        [next(iter(route), None) for route in routes.values()]
+        if routes is not None and hasattr(routes, "values")
+        else [first]
+    )
     return any(isinstance(module, static_embedding) for module in inputs)
 
 
@@ -228,7 +233,7 @@ def replay_backward(
     model: nn.Module,
     sentence_features: list[Features],
     plan: MiniBatchPlan,
-    rng_states: list[RngState],
+    rng_states: list[RngState | None],
     grads: list[list[Tensor | None]],
     *,
     encoder: Encoder,
@@ -247,14 +252,15 @@ def replay_backward(
     if kept:
         kept.clear()
 
-    def replay(minibatch: MiniBatch, state: RngState, cached: list[Tensor | None], scale: Tensor) -> bool:
+    def replay(minibatch: MiniBatch, state: RngState | None, cached: list[Tensor | None], scale: Tensor) -> bool:
         """False when none of the mini-batch's outputs needs a gradient."""
+        assert state is not None, "a graph pass keeps each mini-batch's RNG state"
         features = minibatch_features(sentence_features, plan.layouts, minibatch)
         with state.replay():
             outputs = encoder(model, features)
         pairs = [(out, grad) for out, grad in zip(outputs, cached) if grad is not None and out.requires_grad]
         if pairs:
-            sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
+            _surrogates_backward(pairs, scale)
         return bool(pairs)
 
     last = len(plan.minibatches) - 1
@@ -265,11 +271,11 @@ def replay_backward(
             with gradient_sync(model, sync=False):
                 last_trained = _kept_backward(kept_outputs, grads, grad_output)
         replayed = jobs[len(kept_outputs) :]
-        for index, job in enumerate(
+        for index, (minibatch, state, cached) in enumerate(
             tqdm(replayed, desc="Backward mini-batches", disable=not show_progress_bar), start=len(kept_outputs)
         ):
             with gradient_sync(model, sync=index == last):
-                if replay(*job, grad_output):
+                if replay(minibatch, state, cached, grad_output):
                     last_trained = index
         if last_trained is not None and last_trained != last:
             with gradient_sync(model, sync=True), without_forward_collectives(model):
@@ -287,8 +293,16 @@ def _kept_backward(kept: list[list[Tensor]], grads: list[list[Tensor | None]], s
             pairs += trained
             last_trained = index
     if pairs:
-        sum(_surrogate(out, grad) for out, grad in pairs).mul(scale).backward()
+        _surrogates_backward(pairs, scale)
     return last_trained
+
+
+def _surrogates_backward(pairs: Sequence[tuple[Tensor, Tensor]], scale: Tensor) -> None:
+    """One backward of the sum of every pair's :func:`_surrogate`, times ``scale``."""
+    total = _surrogate(*pairs[0])
+    for out, grad in pairs[1:]:
+        total = total + _surrogate(out, grad)
+    total.mul(scale).backward()
 
 
 def _surrogate(reps: Tensor, grad: Tensor) -> Tensor:
@@ -308,7 +322,7 @@ def _minibatch_pieces(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[lis
 
 def _output_grads(outputs: list[Reps], plan: MiniBatchPlan) -> list[list[Tensor | None]]:
     """``grads[mini_batch][output]``: zeros for a segment that got no gradient, None for an output that got none."""
-    grads = []
+    grads: list[list[Tensor | None]] = []
     for per_output in _minibatch_pieces(outputs, plan):
         grads.append([])
         for reps in per_output:
@@ -400,7 +414,8 @@ def gradcache_forward(
     )
     # A distributed engine decides at forward time whether a graph's backward reduces (DDP): the kept
     # graphs' backward never does, since replayed mini-batches follow it.
-    kept_outputs, kept_rng_states = [], []
+    kept_outputs: list[Reps] = []
+    kept_rng_states: list[RngState | None] = []
     if kept:
         with checkpointed(loss.model, batching.checkpointing), gradient_sync(loss.model, sync=False):
             kept_outputs, kept_rng_states = embed(kept_plan)

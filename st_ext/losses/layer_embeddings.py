@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 from torch import Tensor, nn
 
 from st_ext._compat import unwrapped_model
 from st_ext.losses.features import Features, collator_inputs
 
+if TYPE_CHECKING:  # upstream's Transformer module as 6.x places it
+    from sentence_transformers.base.modules.transformer import Transformer
+
 
 @contextmanager
-def hidden_states_on(transformer: nn.Module) -> Iterator[None]:
+def hidden_states_on(transformer: Transformer) -> Iterator[None]:
     config = transformer.auto_model.config
     before = config.output_hidden_states
     config.output_hidden_states = True
@@ -41,8 +45,8 @@ class LayerEmbeddings:
         self.num_hidden_states: int | None = None
 
     def __call__(self, model: nn.Module, features: Features) -> list[Tensor]:
-        base = unwrapped_model(model)
-        transformer, tail = base[0], list(base)[1:]
+        base = cast(nn.Sequential, unwrapped_model(model))  # a SentenceTransformer: its modules in order
+        transformer, tail = cast("Transformer", base[0]), list(base)[1:]
         captured: dict = {}
         # What the collator made, before a module edits it in place (5.x's prompt exclusion is not idempotent).
         inputs = {key: value.clone() for key, value in collator_inputs(features).items()}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from st_ext._compat import upstream_cached_loss_mixin, upstream_loss_class
 from st_ext.losses.cached_ranking import upstream_cached_loss
 from st_ext.losses.gist import upstream_cached_gist
@@ -31,6 +33,14 @@ def as_cached_loss(loss: Any) -> CachedLoss | None:
     return upstream_description(loss)
 
 
+def engine_description(loss: Any, wrapper: str) -> CachedLoss:
+    """``loss`` described for a wrapper that runs it on st_ext's engine (it checked so when it was built)."""
+    description = as_cached_loss(loss)
+    if description is None:
+        raise TypeError(f"{wrapper} runs {type(loss).__name__} on st_ext's GradCache engine, which cannot run it.")
+    return description
+
+
 def upstream_description(loss: Any) -> CachedLoss | None:
     """One of upstream's cached losses (GIST, the ranking losses, on 5.7+ every loss on the shared
     GradCache base that marks itself as caching) described; None for any other loss."""
@@ -42,6 +52,11 @@ def upstream_description(loss: Any) -> CachedLoss | None:
         if ranking is not None and isinstance(loss, ranking):
             return None if upstream_hook_overrides(loss, ranking) else upstream_cached_loss(loss)
     mixin = upstream_cached_loss_mixin()
-    if mixin is not None and isinstance(loss, mixin) and getattr(loss, "uses_gradient_cache", False):
+    if (
+        mixin is not None
+        and isinstance(loss, nn.Module)
+        and isinstance(loss, mixin)
+        and getattr(loss, "uses_gradient_cache", False)
+    ):
         return None if upstream_hook_overrides(loss, mixin) else upstream_cached_loss(loss)
     return None

@@ -26,7 +26,7 @@ from st_ext._compat import loss_model, st_losses
 from st_ext.losses._signatures import PLACEHOLDER_LOSS, named_like_upstream
 from st_ext.losses.features import Features, Ranges
 from st_ext.losses.gradcache import CachedLoss, LossStep, StartStep, gradcache_forward
-from st_ext.losses.loss_descriptions import as_cached_loss
+from st_ext.losses.loss_descriptions import as_cached_loss, engine_description
 from st_ext.losses.loss_functions import LossFn, Reps, Source, weighted_term
 
 if TYPE_CHECKING:  # upstream's losses as 6.x places them; at run time, the installed release's
@@ -48,7 +48,7 @@ def shrink(embeddings: Tensor, dim: int) -> Tensor:
 def dims_for_step(dims: Sequence[int], weights: Sequence[float], n_dims_per_step: int) -> list[tuple[int, float]]:
     """The (dimension, weight) pairs trained this step, drawn from Python's ``random`` as upstream
     draws them, so a seeded run picks the same dimensions."""
-    indices = range(len(dims))
+    indices: Sequence[int] = range(len(dims))
     if 0 < n_dims_per_step < len(dims):
         indices = sorted(random.sample(indices, n_dims_per_step))
     return [(dims[index], weights[index]) for index in indices]
@@ -97,22 +97,28 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
         self._on_st_ext_engine = as_cached_loss(loss) is not None
         # Over a cached loss, upstream's checks, warning, sorting and attributes, without letting it decorate `loss`.
         inner = PLACEHOLDER_LOSS() if self._on_st_ext_engine else loss
-        super().__init__(model, inner, matryoshka_dims, matryoshka_weights, n_dims_per_step)
+        # Upstream annotates a SentenceTransformer; st_ext takes the model of any loss it can wrap (build_loss's).
+        super().__init__(model, inner, matryoshka_dims, matryoshka_weights, n_dims_per_step)  # type: ignore[arg-type]
         self.loss = loss
         # Upstream's own forward reads the uses_gradient_cache it sets (6.x).
         self.uses_gradient_cache = self._on_st_ext_engine or getattr(self, "uses_gradient_cache", False)
 
-    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+    # Over an EmbeddingLossSum the value is its terms by name, where upstream's forward returns one tensor.
+    def forward(  # type: ignore[override]
+        self, sentence_features: Iterable[Features], labels: Tensor | None = None
+    ) -> Tensor | dict[str, Tensor]:
         if not self._on_st_ext_engine:
-            return super().forward(sentence_features, labels)
-        return gradcache_forward(self.cached_loss(), sentence_features, labels)
+            # Upstream annotates labels as a tensor, but passes None on to a loss that takes no labels.
+            return super().forward(sentence_features, labels)  # type: ignore[arg-type]
+        return gradcache_forward(self._engine_loss(), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss | None:
         """This loss for the engine (None: upstream's implementation runs it): the wrapped loss, trained at this
         loss's dimensions."""
-        if not self._on_st_ext_engine:
-            return None
-        inner = as_cached_loss(self.loss)
+        return self._engine_loss() if self._on_st_ext_engine else None
+
+    def _engine_loss(self) -> CachedLoss:
+        inner = engine_description(self.loss, type(self).__name__)
         return replace(inner, name=type(self).__name__, start=partial(self.start_step, inner.start))
 
     def start_step(
@@ -133,11 +139,13 @@ class MatryoshkaLoss(_upstream.MatryoshkaLoss):
 def _check_inner_loss(model: nn.Module, loss: Any) -> None:
     """Refuse at construction what would fail (or silently not truncate) at the first step."""
     forward = getattr(loss, "forward", None)
-    try:
-        inspect.signature(forward).bind(object(), object())
-        callable_as_loss = isinstance(loss, nn.Module)
-    except (TypeError, ValueError):
-        callable_as_loss = False
+    callable_as_loss = False
+    if forward is not None:
+        try:
+            inspect.signature(forward).bind(object(), object())
+            callable_as_loss = isinstance(loss, nn.Module)
+        except (TypeError, ValueError):
+            pass
     if not callable_as_loss:
         raise TypeError(
             f"MatryoshkaLoss wraps a loss called as loss(sentence_features, labels), such as "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,9 @@ from st_ext.losses.auto_mini_batch import AUTO, AutoMiniBatch, make_auto_mini_ba
 from st_ext.losses.gradcache import Features, LossStep, described, gradcache_forward
 from st_ext.losses.loss_descriptions import upstream_description
 from st_ext.losses.loss_functions import Reps
+
+if TYPE_CHECKING:
+    from sentence_transformers import CrossEncoder
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,10 @@ def engine_forward(loss: Any) -> EngineForward | None:
     if splade is not None and isinstance(loss, splade):
         return EngineForward(loss, lambda features, labels: splade_forward(loss, auto, features, labels), auto=auto)
 
-    def forward(features: list[Features], labels: Tensor | None) -> Tensor:
-        return gradcache_forward(replace(upstream_description(loss), auto=auto), features, labels)
+    def forward(features: list[Features], labels: Tensor | None) -> Tensor | dict[str, Tensor]:
+        description = upstream_description(loss)
+        assert description is not None, "checked above: upstream_description describes this loss"
+        return gradcache_forward(replace(description, auto=auto), features, labels)
 
     return EngineForward(loss, forward, auto=auto)
 
@@ -112,13 +117,14 @@ def refusal(loss: Any) -> str | None:
 
 
 def splade_forward(
-    loss: nn.Module, auto: AutoMiniBatch | None, sentence_features: list[Features], labels: Tensor | None
+    loss: Any, auto: AutoMiniBatch | None, sentence_features: list[Features], labels: Tensor | None
 ) -> dict[str, Tensor]:
     """``CachedSpladeLoss``'s value on st_ext's engine, as its forward returns it: each term of the loss, the
     first adjusted so that the terms sum to the engine's total, which alone carries the gradient. Its loss
     reads no mini-batch size and records its terms on the instance it runs on: this one."""
     description = described(loss, lambda *step_settings: LossStep(lambda source: loss.calculate_loss))
     total = gradcache_forward(replace(description, auto=auto), sentence_features, labels)
+    assert isinstance(total, Tensor), "a described loss has no terms: the engine returns its one value"
     values = splade_component_values(loss)
     first = next(iter(values))
     components = {key: torch.tensor(value, device=total.device) for key, value in values.items()}
@@ -128,8 +134,8 @@ def splade_forward(
 
 
 def cross_encoder_forward(
-    loss: nn.Module, inputs: list[list[str]], labels: Tensor | None, prompt: str | None = None, task: str | None = None
-) -> Tensor:
+    loss: Any, inputs: list[list[str]], labels: Tensor | None, prompt: str | None = None, task: str | None = None
+) -> Tensor | dict[str, Tensor]:
     """CrossEncoder's ``CachedMultipleNegativesRankingLoss`` on st_ext's engine: its pairs, in its order (each
     anchor with its positive, then with each drawn in-batch negative, then with each hard negative), tokenized
     by the model and scored a mini-batch at a time."""
@@ -141,7 +147,7 @@ def cross_encoder_forward(
     for negatives in inputs[2:]:
         anchors += inputs[0]
         candidates += negatives
-    model = unwrapped_model(loss.model)
+    model = cast("CrossEncoder", unwrapped_model(loss.model))
     features = model.preprocess(list(zip(anchors, candidates)), prompt=prompt, task=task)
     features = {key: value.to(model.device) if isinstance(value, Tensor) else value for key, value in features.items()}
 
@@ -162,7 +168,9 @@ def _pair_scores(model: nn.Module, features: Features) -> list[Tensor]:
     return [model(features)["scores"].squeeze(1)]
 
 
-def multi_vector_forward(loss: nn.Module, sentence_features: list[Features], labels: Tensor | None) -> Tensor:
+def multi_vector_forward(
+    loss: Any, sentence_features: list[Features], labels: Tensor | None
+) -> Tensor | dict[str, Tensor]:
     """``CachedMultiVectorMultipleNegativesRankingLoss`` on st_ext's engine: each column carries its task (the
     anchors are queries, the rest documents, unless the collator set one), as upstream's forward stamps it."""
     sentence_features = [
@@ -184,7 +192,8 @@ class TokenEmbeddingsStep(LossStep):
     def loss(self, outputs: list[Reps], labels: Tensor | None, *, with_backward: bool) -> Tensor:
         embeddings, masks = outputs
         masks = [[mask.detach().bool() for mask in column] for column in masks]
-        return self.loss_for(None)(embeddings, masks, with_backward=with_backward)
+        # Upstream's multi-vector calculate_loss takes the scoring masks where a LossFn takes labels.
+        return self.loss_for(None)(embeddings, masks, with_backward=with_backward)  # type: ignore[arg-type]
 
 
 def _token_embeddings_and_masks(model: nn.Module, features: Features) -> list[Tensor]:

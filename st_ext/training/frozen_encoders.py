@@ -65,18 +65,20 @@ def loss_modules(loss: Any) -> list[nn.Module]:
     return [module for item in each_loss(loss) if isinstance(item, nn.Module) for module in item.modules()]
 
 
-def frozen_encoder_losses(loss: Any) -> list[nn.Module]:
+def frozen_encoder_losses(loss: Any) -> list[FrozenEncoderHolder]:
     """The loss modules (one loss, or a dict of them) whose frozen encoder st_ext can offload or precompute."""
     found = [module for module in loss_modules(loss) if isinstance(module, FrozenEncoderHolder)]
     return list({id(module): module for module in found}.values())
 
 
-def holders_and_their_datasets(loss: Any, train_dataset: Any, eval_dataset: Any) -> list[tuple[nn.Module, list]]:
+def holders_and_their_datasets(
+    loss: Any, train_dataset: Any, eval_dataset: Any
+) -> list[tuple[FrozenEncoderHolder, list]]:
     """Each loss holding a frozen encoder, with the datasets it will see: all of them, or with a dict of
     losses those of its key (a dict of datasets routes ``datasets[key]`` to ``loss[key]``)."""
-    routed: dict[int, tuple[nn.Module, list]] = {}
+    routed: dict[int, tuple[FrozenEncoderHolder, list]] = {}
     for key, item in named_losses(loss):
-        given = (train_dataset, eval_dataset)
+        given: tuple[Any, ...] = (train_dataset, eval_dataset)
         if isinstance(loss, dict):
             given = tuple(datasets.get(key) if isinstance(datasets, dict) else datasets for datasets in given)
         for holder in frozen_encoder_losses(item):

@@ -15,7 +15,7 @@ import contextlib
 import types
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import sentence_transformers
 from torch import nn
@@ -61,9 +61,10 @@ if TYPE_CHECKING:  # the types of upstream 6.x's trainer arguments, for the cons
     )
     from transformers.image_processing_utils import BaseImageProcessor
 
+    from st_ext.losses.upstream_forwards import EngineForward
     from st_ext.models import MultiVectorEncoder, SentenceTransformer, SparseEncoder
 
-    TrainerDataset = Dataset | DatasetDict | IterableDataset | dict[str, Dataset]
+    TrainerDataset: TypeAlias = Dataset | DatasetDict | IterableDataset | dict[str, Dataset]
     ProcessingClass = PreTrainedTokenizerBase | BaseImageProcessor | FeatureExtractionMixin | ProcessorMixin
     Optimizers = tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]
     OptimizerClassAndKwargs = tuple[type[torch.optim.Optimizer], dict[str, Any]]
@@ -90,6 +91,9 @@ class CheckpointingTrainerMixin:
     :mod:`st_ext.training.ddp`, the DeepSpeed checks of :mod:`st_ext.training.deepspeed`, sentence-transformers'
     own cached losses forwarded by st_ext's engine (:mod:`st_ext.training.engine_forwards`), and
     ``mini_batch_size="auto"``'s optimizer and log."""
+
+    #: The trainer's losses that st_ext's engine forwards, by ``id`` (set by the constructor).
+    engine_forwards: dict[int, EngineForward]
 
     if not TYPE_CHECKING:  # a type checker reads the trainer's constructor (upstream's, or the one declared below)
 
