@@ -50,7 +50,9 @@ class TripletQueue:
 
     def queued_labels(self, source: Source, device: torch.device) -> Tensor | None:
         bank = self.memory.bank(source)
-        return bank.labels.to(device) if self.training and bank.rows else None
+        if not (self.training and bank.rows) or bank.labels is None:
+            return None
+        return bank.labels.to(device)
 
     def labels_of(self, labels: Tensor | None, rows: int) -> Tensor:
         return check_triplet_labels(labels, rows, f"CrossBatchMemoryLoss around {type(self.memory.loss).__name__}")
@@ -72,7 +74,9 @@ class TripletScoring:
     source: Source
 
     def __call__(self, reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-        loss_function, distance_metric, margin = triplet_settings(self.queue.memory.loss)
+        settings = triplet_settings(self.queue.memory.loss)
+        assert settings is not None, "a memory joins a triplet loss only when it has triplet settings"
+        loss_function, distance_metric, margin = settings
         embeddings, queued = torch.cat(reps[0]), torch.cat(reps[1])
         value = triplet_loss_from_embeddings(
             loss_function,
