@@ -8,8 +8,9 @@ Two ways, chosen with ``--guide-mode``:
 
 Both give the same losses and gradients as a resident guide (``tests/test_cached_gist.py`` checks it).
 
-At its defaults (6 steps of 32 pairs, precompute) it took 10.6 minutes on a 2-core CPU shared with other jobs
-(load average 11: about 90 s a step, a minute to load and precompute); 20 steps had taken 13 minutes at load 5.
+At its defaults (6 steps of 16 pairs, precompute) it took 7.6 minutes on a 2-core CPU shared with other jobs
+(load average 12: about 58 s a step, the rest loading and precomputing); 6 steps of 32 pairs had taken 10.6 minutes
+at load 11, 20 of 32 13 minutes at load 5.
 
     python examples/cached_gist_guide.py [--guide-mode precompute|offload] [--max-steps 6]
 """
@@ -39,7 +40,7 @@ def main() -> None:
         help="precompute: embed the texts with the guide once, then release it; offload: keep it on the CPU",
     )
     parser.add_argument("--max-steps", type=int, default=6, help="training steps")
-    parser.add_argument("--batch-size", type=int, default=32, help="pairs per step (the in-batch negatives)")
+    parser.add_argument("--batch-size", type=int, default=16, help="pairs per step (the in-batch negatives)")
     parser.add_argument("--output-dir", default="runs/example-cached-gist", help="where the trainer writes")
     args = parser.parse_args()
 

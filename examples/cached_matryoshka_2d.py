@@ -7,7 +7,12 @@ Matryoshka2dLoss over a cached loss warns and loses that bound). Prints retrieva
 pairs at a few (layers kept, dimension) points before and after training: the model is cut to its
 first layers the way upstream's adaptive-layer documentation shows, and truncated with ``truncate_dim``.
 
-    python examples/cached_matryoshka_2d.py [--max-steps 60]
+At its defaults (10 steps of 32 pairs, 100 pairs held out) it took 10.4 minutes on a 2-core CPU shared with other
+jobs (load average 11: about 54 s a step, the rest the two evaluations), and NDCG@10 rose at every point (6 layers
+at dim 384: 0.567 -> 0.592; 2 layers at dim 128: 0.288 -> 0.313); 60 steps of 64 pairs had taken 80 s a step at
+load 10.
+
+    python examples/cached_matryoshka_2d.py [--max-steps 10]
 """
 
 import argparse
@@ -26,7 +31,7 @@ from st_ext.cli.evaluation import evaluate, retrieval_evaluators
 
 DIMS = [384, 128, 32]
 LAYERS_KEPT = [6, 3, 2]
-HELD_OUT = 200
+HELD_OUT = 100
 
 
 def with_layers(model: SentenceTransformer, layers: int) -> SentenceTransformer:
@@ -51,8 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--max-steps", type=int, default=60, help="training steps")
-    parser.add_argument("--batch-size", type=int, default=64, help="pairs per step (the in-batch negatives)")
+    parser.add_argument("--max-steps", type=int, default=10, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="pairs per step (the in-batch negatives)")
     parser.add_argument("--mini-batch-size", type=int, default=16, help="texts the cached loss embeds at once")
     parser.add_argument("--output-dir", default="runs/example-cached-matryoshka-2d", help="where the trainer writes")
     args = parser.parse_args()
@@ -75,7 +80,7 @@ def main() -> None:
         learning_rate=5e-5,
         save_strategy="no",
         report_to=[],
-        logging_steps=10,
+        logging_steps=2,
         batch_sampler="no_duplicates",
         use_cpu=not torch.cuda.is_available(),
         seed=0,
