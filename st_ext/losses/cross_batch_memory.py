@@ -151,16 +151,16 @@ class CrossBatchMemoryLoss(nn.Module):
                 "the embeddings of the last 4096 texts."
             )
         #: How the queue joins ``loss``: as candidates of a ranking loss, or as references of a triplet loss.
-        self.joins_ranking = joins_ranking(loss)
+        self.joins_ranking: bool = joins_ranking(loss)
         if loss_model(loss) is not model:
             raise ValueError(
                 f"The wrapped {type(loss).__name__} was built for another model; build it with the model passed "
                 "to CrossBatchMemoryLoss."
             )
-        self.model = model
-        self.loss = loss
-        self.memory_size = int(memory_size)
-        self.mask_own_positive = mask_own_positive
+        self.model: nn.Module = model
+        self.loss: nn.Module = loss
+        self.memory_size: int = int(memory_size)
+        self.mask_own_positive: bool = mask_own_positive
         check_document_ids(document_ids, type(self).__name__)
         wrapped_ids = getattr(loss, "document_ids", None)
         if document_ids is not None and wrapped_ids is not None and document_ids != wrapped_ids:
@@ -179,24 +179,26 @@ class CrossBatchMemoryLoss(nn.Module):
             )
         if self.joins_ranking:
             check_ranking_options(loss, query_bank)
-        self.uses_gradient_cache = is_gradient_caching(loss)
+        self.uses_gradient_cache: bool = is_gradient_caching(loss)
         if self.uses_gradient_cache and as_cached_loss(loss) is None:
             raise TypeError(
                 f"CrossBatchMemoryLoss cannot wrap {type(loss).__name__}: it overrides a step of upstream's cached "
                 "engine, which only upstream's forward calls, and the memory runs st_ext's. Drop the override."
             )
-        self.query_bank = query_bank
+        self.query_bank: bool = query_bank
         #: Where each row's document id comes from (:mod:`st_ext.losses.same_document`); None: by token ids.
-        self.document_ids = document_ids
-        self.memory = MemoryBank()
+        self.document_ids: DocumentIds | None = document_ids
+        self.memory: MemoryBank = MemoryBank()
         #: Queues of earlier layers' embeddings, by hidden-state index, for a layer-wise loss
         #: (:mod:`st_ext.losses.adaptive_layer`): each layer ranks against its own queue.
         self.layer_memory: dict[int, MemoryBank] = {}
         #: The query bank (earlier anchors, ``query_bank=True``), and a layer-wise loss's per layer.
-        self.query_memory = MemoryBank()
+        self.query_memory: MemoryBank = MemoryBank()
         self.layer_query_memory: dict[int, MemoryBank] = {}
 
-    def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
+    def forward(
+        self, sentence_features: Iterable[Features], labels: Tensor | None = None
+    ) -> Tensor | dict[str, Tensor]:
         return gradcache_forward(self.cached_loss(), sentence_features, labels)
 
     def cached_loss(self) -> CachedLoss:
@@ -285,7 +287,7 @@ class CrossBatchMemoryLoss(nn.Module):
                 fields["document_ids"] = bank.document_ids
             return {name: None if value is None else value.detach().cpu().clone() for name, value in fields.items()}
 
-        state = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **saved(self.memory)}
+        state: dict[str, Any] = {"format": MEMORY_STATE_FORMAT, "memory_size": self.memory_size, **saved(self.memory)}
         if self.layer_memory:
             state["layers"] = {layer: saved(bank) for layer, bank in sorted(self.layer_memory.items())}
         if self.query_bank:

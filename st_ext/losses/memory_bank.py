@@ -34,11 +34,19 @@ class MemoryBank:
     def rows(self) -> int:
         return 0 if self.embeddings is None else len(self.embeddings)
 
+    def queued(self) -> tuple[Tensor, Tensor] | None:
+        """The rows' ``(embeddings, labels)``; None when the bank is empty."""
+        if self.embeddings is None or self.labels is None or not len(self.embeddings):
+            return None
+        return self.embeddings, self.labels
+
     def without(self, keys: Tensor | None) -> MemoryBank:
         """This bank less its rows labelled with one of ``keys`` (None: all of them kept)."""
-        if keys is None or not self.rows:
+        queued = self.queued()
+        if keys is None or queued is None:
             return self
-        kept = ~torch.isin(self.labels, keys.to(self.labels.device))
+        _, labels = queued
+        kept = ~torch.isin(labels, keys.to(labels.device))
         return MemoryBank(
             *(None if part is None else part[kept] for part in (self.embeddings, self.labels, self.document_ids))
         )
@@ -57,10 +65,12 @@ def check_fits(queued: Tensor, embeddings: Tensor) -> None:
 
 def memory_like(bank: MemoryBank, embeddings: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """The queue on the batch's device and in its dtype, or (None, None) when it is empty."""
-    if not bank.rows:
+    queued = bank.queued()
+    if queued is None:
         return None, None
-    check_fits(bank.embeddings, embeddings)
-    return bank.embeddings.to(device=embeddings.device, dtype=embeddings.dtype), bank.labels.to(embeddings.device)
+    queued_embeddings, queued_labels = queued
+    check_fits(queued_embeddings, embeddings)
+    return queued_embeddings.to(device=embeddings.device, dtype=embeddings.dtype), queued_labels.to(embeddings.device)
 
 
 def enqueue(
@@ -71,17 +81,21 @@ def enqueue(
     new = [embeddings.detach(), labels.detach()] + ([] if document_ids is None else [document_ids.detach()])
     if any(len(part) != len(new[0]) for part in new[1:]):
         raise ValueError(f"{len(embeddings)} embeddings to enqueue but {len(labels)} labels.")
-    if bank.rows:
-        check_fits(bank.embeddings, embeddings)
-        if (bank.document_ids is None) != (document_ids is None):
+    queued = bank.queued()
+    old: list[Tensor]
+    if queued is not None:
+        queued_embeddings, queued_labels = queued
+        queued_ids = bank.document_ids
+        check_fits(queued_embeddings, embeddings)
+        if (queued_ids is None) != (document_ids is None):
             raise ValueError("Rows with and without document ids cannot share a cross-batch memory.")
-        if document_ids is not None and bank.document_ids.shape[1:] != document_ids.shape[1:]:
+        if document_ids is not None and queued_ids is not None and queued_ids.shape[1:] != document_ids.shape[1:]:
             raise ValueError(
-                f"The cross-batch memory holds {bank.document_ids.shape[1]} document key(s) per row and this step "
+                f"The cross-batch memory holds {queued_ids.shape[1]} document key(s) per row and this step "
                 f'{document_ids.shape[1]}: document_ids="text" and ids from the labels cannot share a memory; call '
                 "reset_memory() when switching."
             )
-        old = [bank.embeddings, bank.labels] + ([] if document_ids is None else [bank.document_ids])
+        old = [queued_embeddings, queued_labels] + ([] if queued_ids is None else [queued_ids])
         new = [part.to(old_part.dtype) for part, old_part in zip(new, old)]
     else:
         old = [part[:0] for part in new]

@@ -114,7 +114,11 @@ class RankingQueue:
 
     def columns(self, source: Source, like: Tensor) -> Reps:
         """The queued documents and the queued anchors as two candidate columns on ``like``'s device and dtype."""
-        return [[memory_like(bank, like)[0] if bank.rows else like[:0].detach()] for bank in self.queued(source)]
+        columns: Reps = []
+        for bank in self.queued(source):
+            queued_embeddings, _ = memory_like(bank, like)
+            columns.append([like[:0].detach() if queued_embeddings is None else queued_embeddings])
+        return columns
 
     def candidate_ids(self, source: Source, labels: Tensor | None) -> CandidateIds:
         """The document keys of ``source``'s candidates, in :meth:`columns`' order: with ``document_ids``, each
@@ -124,7 +128,10 @@ class RankingQueue:
         column_ids = self.document_ids(labels)
         if column_ids is not None:
             nothing = column_ids[0][:0]
-            queued = [bank.document_ids.to(nothing.device) if bank.rows else nothing for bank in (documents, queries)]
+            queued = [
+                nothing if bank.document_ids is None or not bank.rows else bank.document_ids.to(nothing.device)
+                for bank in (documents, queries)
+            ]
             return CandidateIds(column_ids[0], column_ids[1:], *queued)
         device, columns = self.keys.device, len(self.keys) // max(self.rows, 1)
         if not self.memory.mask_own_positive:
