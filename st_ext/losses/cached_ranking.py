@@ -113,7 +113,7 @@ class CachedRankingMixin(nn.Module):
         return upstream_cached_loss(self) if self.document_ids is None else same_document_cached_loss(self)
 
 
-def upstream_cached_loss(loss: nn.Module, *, as_decorated: bool = False) -> CachedLoss:
+def upstream_cached_loss(loss: Any, *, as_decorated: bool = False) -> CachedLoss:
     """An upstream cached ranking loss described (on 5.7+, every loss on the shared GradCache base too,
     e.g. ``MegaBatchMarginLoss``).
 

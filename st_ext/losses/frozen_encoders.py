@@ -255,6 +255,8 @@ class FrozenEncoderHolder(nn.Module):
     offload_attribute: ClassVar[str]
     table_attribute: ClassVar[str]
     table_class: ClassVar[type[KeyedRows]]
+    #: The tokenizer whose texts the encoder re-tokenizes (None: it reads the model's features as they are).
+    retokenize_with: PreTrainedTokenizerBase | None
 
     @classmethod
     def _check_encoder_and_table(

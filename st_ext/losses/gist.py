@@ -139,7 +139,7 @@ class GuideEmbeddings(KeyedRows):
         def embed(features: list[Features]) -> Tensor:
             return embed_frozen(guide, features[0], retokenize_with, features_device(features))
 
-        options = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
+        options: dict[str, Any] = {"batch_size": batch_size, "device": device, "show_progress_bar": show_progress_bar}
         batches = frozen_outputs(model, guide, [list(dict.fromkeys(texts))], embed, desc="Guide embeddings", **options)
         return cls.from_batches(((features[0], values) for features, values in batches), empty=torch.empty(0, 0))
 
@@ -676,7 +676,7 @@ class GISTEmbedLoss(GuidedLoss):
         )
 
 
-def upstream_cached_gist(loss: nn.Module) -> CachedLoss:
+def upstream_cached_gist(loss: Any) -> CachedLoss:
     """Upstream's ``CachedGISTEmbedLoss`` for the engine: its guide runs once per step, and its loss over
     embeddings is the class's ``calculate_loss`` (not an instance's that upstream's Matryoshka decorated)."""
 

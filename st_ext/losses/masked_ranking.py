@@ -18,8 +18,10 @@ every direction, except the anchor's own positive and, in ``doc_to_query``, the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from inspect import getattr_static
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -108,6 +110,7 @@ def masked_ranking_loss(
     batch_size, offset = len(queries), 0
     if getattr(loss, "gather_across_devices", False):
         gather = all_gather_with_grad()
+        assert gather is not None, "the loss refuses gather_across_devices where upstream lacks all_gather_with_grad"
         queries, documents = gather(queries), [gather(column) for column in documents]
         anchor_ids, column_ids = gather_from_ranks(anchor_ids), [gather_from_ranks(c) for c in column_ids]
         offset = get_rank() * batch_size
@@ -124,6 +127,8 @@ def masked_ranking_loss(
     directions = tuple(getattr(loss, "directions", ("query_to_doc",)))
     per_direction = getattr(loss, "partition_mode", "joint") == "per_direction"
 
+    similarity = cast(Callable[[Tensor, Tensor], Tensor], loss.similarity_fct)
+    scale = cast(float, loss.scale)
     total = torch.zeros((), device=device)
     for begin, end in chunked_rows(batch_size, chunk_size):
         rows = torch.arange(end - begin, device=device)
@@ -134,27 +139,21 @@ def masked_ranking_loss(
         to_documents = same_document(own_ids, document_ids)
         to_documents[rows, own] = False
         to_queries = same_document(own_ids, query_ids)
-        scores = {
-            "query_to_doc": loss.similarity_fct(local_queries, all_documents).masked_fill(to_documents, -torch.inf)
-        }
+        scores = {"query_to_doc": similarity(local_queries, all_documents).masked_fill(to_documents, -torch.inf)}
         if "query_to_query" in directions:
             masked = to_queries.clone()
             masked[rows, own] = True
-            scores["query_to_query"] = loss.similarity_fct(local_queries, all_queries).masked_fill(masked, -torch.inf)
+            scores["query_to_query"] = similarity(local_queries, all_queries).masked_fill(masked, -torch.inf)
         if "doc_to_query" in directions:
             masked = to_queries.clone()
             masked[rows, own] = False
-            scores["doc_to_query"] = loss.similarity_fct(all_queries, local_positives).T.masked_fill(
-                masked, -torch.inf
-            )
+            scores["doc_to_query"] = similarity(all_queries, local_positives).T.masked_fill(masked, -torch.inf)
         if "doc_to_doc" in directions:
             masked = to_documents.clone()
             for column in range(columns):
                 masked[rows, column * world_batch_size + own] = True
-            scores["doc_to_doc"] = loss.similarity_fct(all_documents, local_positives).T.masked_fill(
-                masked, -torch.inf
-            )
-        scores = {direction: matrix * loss.scale for direction, matrix in scores.items()}
+            scores["doc_to_doc"] = similarity(all_documents, local_positives).T.masked_fill(masked, -torch.inf)
+        scores = {direction: matrix * scale for direction, matrix in scores.items()}
 
         positive_scores = scores["query_to_doc"][rows, own]
         if per_direction:

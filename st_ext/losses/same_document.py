@@ -68,7 +68,7 @@ def batch_document_ids(
     if document_ids == TEXT:
         return text_keys(sentence_features)
     rows = batch_size_of(sentence_features[0])
-    if document_ids == LABEL_COLUMN:
+    if isinstance(document_ids, str):  # "label" ("text" took its own path above)
         if labels is None:
             raise ValueError(
                 'document_ids="label" but the batch has no label column: add a "label" column holding the integer '

@@ -115,8 +115,11 @@ def restore_memories_for_resume(
     (``True``: the last one in ``args.output_dir``, as the trainer resolves it); see :func:`load_memories`."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return []
+    checkpoint: str | None
     if resume_from_checkpoint is True:
-        resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
-        if resume_from_checkpoint is None:
+        checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        if checkpoint is None:
             return []  # the trainer raises its own error about the missing checkpoint
-    return load_memories(trainer.loss, resume_from_checkpoint, allow_empty=allow_empty)
+    else:
+        checkpoint = resume_from_checkpoint
+    return load_memories(trainer.loss, checkpoint, allow_empty=allow_empty)
