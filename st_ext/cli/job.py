@@ -713,8 +713,8 @@ def _build_loss(config: TrainConfig, model, model_path: str, dims: list[int]):
     """The configured loss, and the trainer's ``frozen_encoders=`` for it: ``config.guide_mode`` for a GIST
     loss's guide (loaded here on the CPU; the trainer precomputes, offloads or moves it), else "resident"
     (also for a self-guided GIST loss, whose guide is the model it trains)."""
-    matryoshka = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
-    sizing = {"mini_batch_size": config.mini_batch_size}
+    matryoshka: dict[str, Any] = {"matryoshka_dims": dims} if config.loss.startswith(MATRYOSHKA_PREFIX) else {}
+    sizing: dict[str, Any] = {"mini_batch_size": config.mini_batch_size}
     if config.mini_batch_size == "auto":
         sizing["memory_budget_mb"] = config.memory_budget_mb
     elif config.kept_graphs is not None:

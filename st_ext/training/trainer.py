@@ -188,6 +188,9 @@ class SentenceTransformerTrainer(CheckpointingTrainerMixin, sentence_transformer
     holds what each release freed.
     """
 
+    #: What each release of ``frozen_encoders="precompute"`` freed (set by the constructor).
+    frozen_encoder_reports: list[Any]
+
     if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
 
         def __init__(
