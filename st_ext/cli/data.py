@@ -109,6 +109,7 @@ def read_rows(name: str, columns: Columns, setting: str = "data") -> Rows:
 
 def training_rows(data: str | None, columns: Columns, max_pairs: int | None) -> Rows:
     """The rows to train (and, without an eval file, evaluate) on; ``max_pairs`` caps them."""
+    limit: int | None
     if data is None:
         found = Rows(stdlib_pairs())
         limit = DEMO_PAIRS if max_pairs is None else max_pairs

@@ -117,15 +117,17 @@ def _regrouped(
 
 
 def _edit(node: ast.ImportFrom, lines: list[str], groups: list[tuple[str, list[ast.alias]]]) -> Edit:
+    end_lineno, end_col_offset = node.end_lineno, node.end_col_offset
+    assert end_lineno is not None and end_col_offset is not None, "ast.parse gives every statement its end"
     before = lines[node.lineno - 1][: node.col_offset]
-    after = lines[node.end_lineno - 1][node.end_col_offset :]
+    after = lines[end_lineno - 1][end_col_offset:]
     # What shares the statement's lines ("if x: ", a trailing comment, "; other statement") stays around it.
     if before.strip():
         text = before + "; ".join(_statement(module, aliases, "", False) for module, aliases in groups)
     else:
-        multiline = node.end_lineno > node.lineno
+        multiline = end_lineno > node.lineno
         text = "\n".join(_statement(module, aliases, before, multiline) for module, aliases in groups)
-    return Edit(node.lineno, node.end_lineno, text + (after if after.strip() else "\n"))
+    return Edit(node.lineno, end_lineno, text + (after if after.strip() else "\n"))
 
 
 def _statement(module: str, aliases: list[ast.alias], indent: str, multiline: bool) -> str:
