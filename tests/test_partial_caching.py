@@ -155,10 +155,10 @@ def auto_cmnrl(model, budget_bytes: float):
 
 
 def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog):
-    """Under a budget between two sizes' steps, the auto mode takes the smaller and keeps the graphs the rest of
-    the budget holds (at least one: the first hides under the replayed step's gradients, see
-    tests/test_auto_kept_graphs.py), not all; says so once, embeds only the others twice, stays within the
-    budget on the meter (the step that measures included) and gives the uncached gradients."""
+    """Under a budget between two sizes' steps, the auto mode takes the smaller and keeps no graph; with room
+    for one more graph of it (as it measured one to cost) that is still short of the next size, it keeps
+    one, says so once, embeds only the others twice, stays within the budget on the meter (the step that
+    measures included) and gives the uncached gradients."""
     columns = text_columns(16, 2, min_words=10, max_words=14)
     features = features_of(model, columns)
 
@@ -170,13 +170,18 @@ def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog
 
     at_8 = step_peak(losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=8))
     at_16 = step_peak(losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=16))
-    budget = (at_8 + at_16) / 2
+    tight = auto_cmnrl(model, (at_8 + at_16) / 2)
+    step_peak(tight)
+    first = tight.auto_mini_batch.choice
+    assert first.size == 8 and first.kept == 0 and first.kept_graph_bytes > 0, first
+    budget = first.tried[8] + 1.05 * first.kept_graph_bytes
+    assert budget < first.tried[16], "the premise: one more graph of 8 rows fits, 16 rows do not"
     loss = auto_cmnrl(model, budget)
     with caplog.at_level(logging.INFO, logger="st_ext.losses.auto_mini_batch"):
         assert step_peak(loss) <= budget, "the first step, which measures, stays within the budget too"
         loss(features, None).backward()
     choice = loss.auto_mini_batch.choice
-    assert choice.size == 8 and 1 <= choice.kept < choice.minibatches, choice
+    assert choice.size == 8 and choice.kept == 1, choice
     assert [record.getMessage() for record in caplog.records] == [str(choice)]
     assert f"{choice.minibatches} forward passes of at most 8 texts each" in str(choice)
     assert f"the first {choice.kept} keep their graphs" in str(choice)

@@ -11,11 +11,9 @@ trace (gradients already in ``.grad`` are put back, the random state is forked),
 error counts as over budget. Where the model can checkpoint, larger sizes are measured again with
 checkpointing on, and taken when the measured times say the step is faster. What the chosen size
 leaves of the budget holds kept graphs (partial caching: a kept mini-batch is not embedded a second
-time): the step's peak with the first 1, 2, 4, ... graphs kept is measured as the engine makes it (those
-mini-batches, of their columns' longest rows, embedded with graphs and back-propagated together), and the
-count kept is the largest that fits, on the line between two measured counts where it lies between them.
-What each kept graph adds to the step's peak is logged as measured: the first graphs often add nothing, their
-activations hidden under the gradients the replayed step allocates. docs/speed.md says the rest.
+time); what one costs is measured too, as the peak of two half-size graphs back-propagated together
+less that of one replayed graph, and at least a forward pass's with its graph, scaled. docs/speed.md
+says the rest.
 """
 
 from __future__ import annotations
@@ -64,9 +62,7 @@ class AutoChoice:
     #: Forward passes at ``size``, and how many of them keep their graph for the backward (partial caching).
     minibatches: int = 1
     kept: int = 0
-    #: What each kept graph adds to the step's peak, measured (with none kept: what keeping one would add;
-    #: None: not measured, the whole batch is one pass). The step then measures it within
-    #: :data:`EXPECTED_MARGIN` of its peak per graph kept.
+    #: The measured cost of one more kept graph (None: not measured, the whole batch is one pass).
     kept_graph_bytes: int | None = None
     #: The step's peak at the choice (its graphs kept included), as measured and estimated here: the figure
     #: the step then measures, within :data:`EXPECTED_MARGIN` (None: no budget, nothing measured).
@@ -83,12 +79,9 @@ class AutoChoice:
         else:
             how = f"{self.minibatches} forward passes of at most {self.size} texts each, over {texts}"
             if self.kept:
-                how += (
-                    f"; the first {self.kept} keep their graphs (each adds {_mib(self.kept_graph_bytes)} "
-                    "to the step's peak)"
-                )
+                how += f"; the first {self.kept} keep their graphs ({_mib(self.kept_graph_bytes or 0)} each)"
             elif self.kept_graph_bytes is not None:
-                how += f"; no graph kept (keeping one would add {_mib(self.kept_graph_bytes)} to the step's peak)"
+                how += f"; no graph kept (keeping one would add {_mib(self.kept_graph_bytes)})"
         if self.checkpointing:
             how += ", with gradient checkpointing"
         if self.budget_bytes is None:
@@ -174,7 +167,8 @@ class AutoMiniBatch:
             )
         series = _Series(model, sentence_features, layouts, rows, budget, device, update_bytes=update)
         plain = series.largest_fitting(1)
-        choice.size, choice.tried, choice.meter = plain, dict(series.peaks), series.meter
+        choice.size, choice.meter = plain, series.meter
+        choice.tried = {size: peak for size, peak in series.peaks.items()}
         if not plain:
             needed = series.peaks.get(1, -1)
             raise BudgetTooSmallError(
@@ -201,7 +195,10 @@ class AutoMiniBatch:
         choice.minibatches = series.minibatches(choice.size)
         choice.expected_bytes = series.peaks[choice.size]
         if choice.size < rows:
-            choice.kept, choice.expected_bytes, choice.kept_graph_bytes = series.kept_graphs(choice.size)
+            choice.kept_graph_bytes = series.kept_graph_bytes(choice.size)
+            choice.kept = series.graphs_kept(choice.size, choice.kept_graph_bytes)
+            if choice.kept and choice.kept_graph_bytes is not None:
+                choice.expected_bytes += choice.kept * choice.kept_graph_bytes
         return choice
 
 
@@ -308,83 +305,38 @@ class _Series:
         """The forward passes of a batch at ``size``, as the engine plans them."""
         return len(plan_minibatches(self.sentence_features, self.layouts, size).minibatches)
 
-    def kept_graphs(self, size: int) -> tuple[int, int, int | None]:
-        """How many of the step's first mini-batches at ``size`` keep their graphs within the budget (at most
-        all but one: every one kept is the one pass, which did not fit), the step's peak with them, and what each
-        adds to it (with none kept, what keeping one would add; None: not measured).
-
-        The step with ``k`` graphs kept peaks at the larger of a replayed mini-batch's backward (measured) and
-        the kept graphs' one backward: measured for k = 1, 2, 4, ... until a count passes the budget. That
-        peak is convex in k (every graph's activations are alive when the backward starts, and are freed as the
-        gradients are allocated), so between two measured counts it lies under their line: a count between them
-        is taken by that line, which is the peak expected. Before a count is measured, the last measured peak
-        plus what every further graph saves for its backward bounds it; a count over the budget by that bound is
-        not measured (its probe would take the step that measures over the budget)."""
-        planned = self._planned_minibatches(size)
-        most = len(planned) - 1
-        replayed = self.peaks[size]
-        peaks = {0: replayed}  # the step's peak by graphs kept: measured, or (past the last fitting) bounded
-        backward_peak = 0  # the kept graphs' backward at the last measured count
-        count = last = 1
+    def kept_graph_bytes(self, size: int) -> int | None:
+        """What one more graph of ``size`` rows alive until the backward adds to the peak, measured on half as
+        many rows and scaled: the kept graphs' backward (two half-size graphs alive together, back-propagated
+        once from the gradients the step starts with) against a replayed one's (one graph, the second of two
+        passes), and at least the peak of a forward pass that keeps its graph. Two half-size graphs hold no
+        more than one graph of ``size``, so measuring stays within the budget that size fits (None: size 1, or
+        out of memory)."""
+        half = size // 2
+        if half == 0:
+            return None
+        rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:half])
+        features = minibatch_features(self.sentence_features, self.layouts, rows)
         with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
-            while count <= most:
-                if count > 1:
-                    graph_bytes = _graph_bytes(self.model, max(planned[last:count], key=_padded_cells), self.device)
-                    if graph_bytes is None:  # out of memory
-                        break
-                    bound = backward_peak + (count - last) * graph_bytes
-                    peaks[count] = max(replayed, self._step_peak(bound, self.dim, size))
-                    if peaks[count] > self.budget:
-                        break
-                measured, _, _ = _probe_peak(
-                    self.model,
-                    planned[0],
-                    self.device,
-                    1,
-                    more=planned[1:count],
-                    replayed=max(planned[count:], key=_padded_cells),
-                )
-                if measured is None:  # out of memory
-                    peaks.pop(count, None)
-                    break
-                backward_peak, last = measured, count
-                peaks[count] = max(replayed, self._step_peak(measured, self.dim, size))
-                if peaks[count] > self.budget or count == most:
-                    break
-                count = min(2 * count, most)
-        fitting = max(k for k, peak in peaks.items() if peak <= self.budget)
-        kept, expected = fitting, peaks[fitting]
-        over = [k for k in peaks if k > fitting]
-        if over:
-            first_over = min(over)
-            per_graph = (peaks[first_over] - peaks[fitting]) / (first_over - fitting)
-            if per_graph > 0:
-                kept = min(first_over - 1, fitting + int((self.budget - peaks[fitting]) // per_graph))
-            expected = int(peaks[fitting] + per_graph * (kept - fitting))
-        if kept:
-            return kept, expected, (expected - replayed) // kept
-        return 0, replayed, (peaks[1] - replayed) if 1 in peaks else None
+            one, _, _ = _probe_peak(self.model, features, self.device, 2)
+            two, _, _ = _probe_peak(self.model, features, self.device, 1, graphs=2)
+            held, _, _ = _probe_peak(self.model, features, self.device, 1, backward=False)
+        if one is None or two is None or held is None:
+            return None
+        # Where the parameters' gradients set the peak, a second graph hides under it (two - one is about 0)
+        # until enough of them are alive together: each is charged at least what its forward holds.
+        return max(two - one, held, 1) * size // half
 
-    def _planned_minibatches(self, size: int) -> list[Features]:
-        """The forward passes of the engine's plan at ``size`` (a step keeps the graphs of the first), each of
-        its columns' longest rows: what a later batch with no longer rows embeds at most."""
-        plan = plan_minibatches(self.sentence_features, self.layouts, size)
-        longest = {
-            column: [row for _, row in _longest_first(self.sentence_features, self.layouts, [column])]
-            for column in range(len(self.layouts))
-        }
-        return [
-            minibatch_features(
-                self.sentence_features,
-                self.layouts,
-                tuple(
-                    Segment(segment.column, row, row + 1)
-                    for segment in minibatch
-                    for row in longest[segment.column][: segment.end - segment.begin]
-                ),
-            )
-            for minibatch in plan.minibatches
-        ]
+    def graphs_kept(self, size: int, kept_graph_bytes: int | None) -> int:
+        """How many of the step's graphs at ``size`` the budget holds beside its backward, at most all but one
+        (were every one kept, the batch would be one pass, which did not fit). The first is charged too: it is
+        alive while the other mini-batches are embedded without a graph, and those passes' activations come on
+        top of it (7% of the step's peak with two mini-batches of a tiny BERT; next to nothing with eight of
+        all-MiniLM-L6-v2, whose peak the parameters' gradients set)."""
+        if kept_graph_bytes is None:
+            return 0
+        spare = self.budget - self._backward_peak(self.graphs[size], self.dim, size)
+        return max(0, min(self.minibatches(size) - 1, spare // kept_graph_bytes))
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
@@ -434,14 +386,12 @@ def _longest_row(features: Features, layout: ColumnLayout) -> int:
     return int(input_ids.shape[-1]) if isinstance(input_ids, Tensor) and input_ids.ndim else 0
 
 
-def _longest_first(
-    sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout], columns: Sequence[int] | None = None
-) -> list[tuple[int, int]]:
-    """(column, row) pairs of ``columns``, longest rows first. By default of every column when columns share
-    forward passes, else of the column whose longest row is longest (forward passes then never mix columns)."""
-    if columns is None and can_merge(sentence_features, layouts):
+def _longest_first(sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> list[tuple[int, int]]:
+    """(column, row) pairs, longest rows first: of every column when columns share forward passes,
+    else of the column whose longest row is longest (forward passes then never mix columns)."""
+    if can_merge(sentence_features, layouts):
         columns = range(len(layouts))
-    elif columns is None:
+    else:
         columns = [max(range(len(layouts)), key=lambda c: _longest_row(sentence_features[c], layouts[c]))]
     pairs = [(c, r) for c in columns for r in range(layouts[c].rows)]
     if all(layouts[c].lengths is not None for c in columns):
@@ -463,54 +413,20 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
     return torch.device("cpu")
 
 
-def _graph_bytes(model: nn.Module, features: Features, device: torch.device) -> int | None:
-    """Bytes one forward pass's graph holds until its backward: the distinct storages autograd saves for it,
-    the parameters' excepted (None: out of memory). It bounds what each further kept graph adds to a step's
-    peak."""
-    module = compiled_module(model)
-    parameters = {param.untyped_storage().data_ptr() for param in module.parameters()}
-    saved: dict[int, torch.UntypedStorage] = {}  # held, so that no address is reused while counting
-
-    def pack(tensor: Tensor) -> None:
-        # Nothing back-propagates: the graph keeps no tensor (a saved output kept by its own node is a
-        # reference cycle, freed only by the garbage collector).
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage
-
-    def unpack(_: None) -> Tensor:
-        raise RuntimeError("a graph measured by _graph_bytes is never back-propagated")
-
-    rng_devices = [device] if device.type == "cuda" else []
-    try:
-        with (
-            gradient_sync(module, sync=False),
-            torch.random.fork_rng(devices=rng_devices),
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-        ):
-            module(dict(features))  # a copy: the model writes its outputs into the dict it is given
-    except torch.cuda.OutOfMemoryError:
-        saved.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return None
-    return sum(storage.nbytes() for storage in saved.values())
-
-
 def _probe_peak(
     model: nn.Module,
     features: Features,
     device: torch.device,
     passes: int,
+    graphs: int = 1,
+    backward: bool = True,
     more: Sequence[Features] = (),
-    replayed: Features | None = None,
 ) -> tuple[int | None, int, str]:
     """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
-    memory), the embedding size, and the meter. ``more``: further features each pass embeds with a graph before
-    one backward through every graph (the other forward passes of a one-pass step, or the other kept graphs of
-    a step); ``replayed``: features embedded without a graph while those graphs are alive, as a step that keeps
-    graphs embeds the mini-batches it replays.
+    memory), the embedding size, and the meter. With ``graphs`` above 1, each pass embeds the features that
+    many times before one backward through every graph, as kept graphs are back-propagated; ``more``: further
+    features each pass embeds before that backward (the other forward passes of a one-pass step); without
+    ``backward``, the forward passes' graphs are kept to the end of the measurement and dropped.
 
     The random state is forked: the probes' dropout leaves the step's draws as a fixed mini-batch makes them.
 
@@ -532,12 +448,10 @@ def _probe_peak(
         with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, torch.enable_grad():
             meter = peak.meter
             for _ in range(passes):
-                outputs = [module(batch)["sentence_embedding"] for batch in [features, *more]]
+                batches = [features] * graphs + list(more)
+                outputs = [module(batch)["sentence_embedding"] for batch in batches]
                 dim = outputs[0].shape[-1]
-                if replayed is not None:
-                    with torch.no_grad():
-                        module(dict(replayed))
-                if not outputs[0].requires_grad:
+                if not outputs[0].requires_grad or not backward:
                     break
                 sum(output.float().pow(2).sum() for output in outputs).backward()
                 del outputs
