@@ -390,12 +390,17 @@ def _longest_first(sentence_features: Sequence[Features], layouts: Sequence[Colu
     """(column, row) pairs, longest rows first: of every column when columns share forward passes,
     else of the column whose longest row is longest (forward passes then never mix columns)."""
     if can_merge(sentence_features, layouts):
-        columns = range(len(layouts))
+        columns = list(range(len(layouts)))
     else:
         columns = [max(range(len(layouts)), key=lambda c: _longest_row(sentence_features[c], layouts[c]))]
     pairs = [(c, r) for c in columns for r in range(layouts[c].rows)]
-    if all(layouts[c].lengths is not None for c in columns):
-        pairs.sort(key=lambda pair: -int(layouts[pair[0]].lengths[pair[1]]))
+    lengths = {}
+    for c in columns:
+        column_lengths = layouts[c].lengths
+        if column_lengths is None:  # the features say nothing about padding: every row counts alike
+            return pairs
+        lengths[c] = column_lengths
+    pairs.sort(key=lambda pair: -int(lengths[pair[0]][pair[1]]))
     return pairs
 
 
@@ -529,9 +534,10 @@ def make_auto_mini_batch(
 
 def auto_mini_batch_of(loss: nn.Module) -> AutoMiniBatch | None:
     """The auto-mode state of ``loss`` or of the cached loss it wraps (Matryoshka, cross-batch memory)."""
-    while loss is not None:
-        state = getattr(loss, "auto_mini_batch", None)
+    current: nn.Module | None = loss
+    while current is not None:
+        state = getattr(current, "auto_mini_batch", None)
         if isinstance(state, AutoMiniBatch):
             return state
-        loss = getattr(loss, "loss", None)
+        current = getattr(current, "loss", None)
     return None
