@@ -244,6 +244,7 @@ def gist_loss(
     offset = 0
     if gather_across_devices:
         gather = all_gather_with_grad()
+        assert gather is not None, "the losses refuse gather_across_devices where upstream lacks all_gather_with_grad"
         model_side = model_side[:1] + [gather(candidate) for candidate in model_side[1:]]
         if guide_side is not None:
             guide_side = guide_side[:1] + [gather(candidate) for candidate in guide_side[1:]]
@@ -317,6 +318,11 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
     table_attribute = "guide_embeddings"
     table_class = GuideEmbeddings
 
+    guide: nn.Module | None
+    offload_guide: bool
+    guide_embeddings: GuideEmbeddings | None
+    show_progress_bar: bool
+
     def _set_up(
         self,
         model: nn.Module,
@@ -345,7 +351,7 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
                 "guide=model guides the loss by the model's own embeddings of each step, which a precomputed "
                 "guide_embeddings table would replace with frozen ones: pass one or the other."
             )
-        if offload_guide:
+        if offload_guide and guide is not None:  # None with offload_guide was refused above
             self._check_can_let_go(guide)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}.")
@@ -388,8 +394,10 @@ class GuidedLoss(FrozenEncoderHolder, nn.Module):
         looked_up = self._rows_from_table(sentence_features)
         if looked_up is not None:
             return [[embeddings] for embeddings in looked_up]
+        guide = self.guide
+        assert guide is not None, "_rows_from_table raises when neither the table nor a guide has the rows"
         return guide_pass(
-            self.guide,
+            guide,
             sentence_features,
             ranges,
             self.retokenize_with,
@@ -558,7 +566,9 @@ class CachedGISTEmbedLoss(GuidedLoss):
         upstream_hook_overrides(self, _upstream.CachedGISTEmbedLoss)
 
     def forward(self, sentence_features: Iterable[Features], labels: Tensor | None = None) -> Tensor:
-        return gradcache_forward(self.cached_loss(), sentence_features, labels)
+        loss = gradcache_forward(self.cached_loss(), sentence_features, labels)
+        assert isinstance(loss, Tensor), "a described loss has no terms: the engine returns its one value"
+        return loss
 
     def cached_loss(self) -> CachedLoss:
         """This loss for the engine: the guide's embeddings are the frozen ones, and the loss over
