@@ -15,7 +15,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from torch import Tensor, nn
 
@@ -49,7 +49,10 @@ class CachedRankingMixin(nn.Module):
     """What both classes add to their upstream base (``st_ext_upstream_class``): the auto mode and
     st_ext's forward pass."""
 
-    st_ext_upstream_class: type
+    st_ext_upstream_class: ClassVar[type[nn.Module]]
+    #: Upstream's attribute, an int there; ``"auto"`` here until each batch resolves it.
+    mini_batch_size: int | str
+    document_ids: DocumentIds | None
 
     def _set_up(
         self,
@@ -61,9 +64,10 @@ class CachedRankingMixin(nn.Module):
         """Upstream's constructor (and its deprecation warning, where it has one), then the auto mode and the
         same-document masking."""
         upstream_class = self.st_ext_upstream_class
-        if getattr(upstream_class, "__deprecated__", None):
+        deprecation = getattr(upstream_class, "__deprecated__", None)
+        if deprecation:
             # The user's call: this frame, the class's __init__ and its argument binder are st_ext's.
-            warnings.warn(upstream_class.__deprecated__, DeprecationWarning, stacklevel=4)
+            warnings.warn(deprecation, DeprecationWarning, stacklevel=4)
         auto = upstream_arguments["mini_batch_size"] == AUTO
         if auto:
             upstream_arguments = {**upstream_arguments, "mini_batch_size": _PLACEHOLDER_SIZE}
@@ -102,8 +106,11 @@ class CachedRankingMixin(nn.Module):
                     f"{type(self).__name__} with document_ids scores its candidates itself, so upstream's "
                     "MatryoshkaLoss cannot truncate them: use st_ext.losses.MatryoshkaLoss."
                 )
-            return gradcache_forward(same_document_cached_loss(self), sentence_features, labels)
-        return gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
+            loss = gradcache_forward(same_document_cached_loss(self), sentence_features, labels)
+        else:
+            loss = gradcache_forward(upstream_cached_loss(self, as_decorated=True), sentence_features, labels)
+        assert isinstance(loss, Tensor), "a described loss has no terms: the engine returns its one value"
+        return loss
 
     def cached_loss(self) -> CachedLoss | None:
         """This loss for the engine and the wrappers around it; None for a subclass that overrides a step of
@@ -137,7 +144,7 @@ def upstream_cached_loss(loss: Any, *, as_decorated: bool = False) -> CachedLoss
     return described(loss, start)
 
 
-def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
+def same_document_cached_loss(loss: CachedRankingMixin) -> CachedLoss:
     """A cached ranking loss whose candidates from an anchor's own document (``loss.document_ids``, see
     :mod:`st_ext.losses.same_document`) are not its negatives: in every column, gathered ones too."""
 
@@ -145,7 +152,9 @@ def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
         document_ids = StepDocumentIds(loss.document_ids, sentence_features)
 
         def loss_fn(reps: Reps, labels: Tensor | None, *, with_backward: bool) -> Tensor:
-            anchors, *columns = document_ids(labels)
+            step_ids = document_ids(labels)
+            assert step_ids is not None, "only a loss with document_ids masks its own documents"
+            anchors, *columns = step_ids
             ids = CandidateIds(anchors, columns, anchors[:0], anchors[:0])
             nothing_queued = [[reps[0][0][:0].detach()]]
             return masked_ranking_loss(
@@ -157,7 +166,16 @@ def same_document_cached_loss(loss: nn.Module) -> CachedLoss:
     return described(loss, start)
 
 
-def with_chunk_size(loss: nn.Module, mini_batch_size: int) -> nn.Module:
+class ScoresInChunks(Protocol):
+    """What st_ext reads of an upstream cached loss: the size it scores its anchors by, and its loss over
+    embeddings (which takes the labels too on upstream's shared GradCache base)."""
+
+    mini_batch_size: int | str
+
+    def calculate_loss(self, *args: Any, **kwargs: Any) -> Tensor: ...
+
+
+def with_chunk_size(loss: ScoresInChunks, mini_batch_size: int) -> ScoresInChunks:
     """``loss``, or for ``mini_batch_size="auto"`` a shallow copy of it holding this batch's resolved size:
     upstream's ``calculate_loss`` reads the size it scores its anchors by from its instance, and the user's
     loss keeps its ``"auto"`` (nothing is written on it)."""
@@ -180,8 +198,11 @@ with warnings.catch_warnings():
     # Constructing st_ext's class warns instead, as constructing upstream's does.
     warnings.simplefilter("ignore", DeprecationWarning)
 
+    # mini_batch_size may be "auto" here (the auto mode), where upstream's attribute is an int.
     @named_like_upstream(_upstream.CachedMultipleNegativesRankingLoss, _NOTE)
-    class CachedMultipleNegativesRankingLoss(CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss):
+    class CachedMultipleNegativesRankingLoss(  # type: ignore[misc]
+        CachedRankingMixin, _upstream.CachedMultipleNegativesRankingLoss
+    ):
         st_ext_upstream_class = _upstream.CachedMultipleNegativesRankingLoss
 
         if TYPE_CHECKING:  # what a type checker reads: 6.x's arguments, then st_ext's (tests/test_typing.py)
@@ -220,8 +241,9 @@ with warnings.catch_warnings():
             ) -> None:
                 self._set_up(memory_budget_mb, kept_graphs, upstream_arguments, document_ids)
 
+    # mini_batch_size may be "auto", as above.
     @named_like_upstream(_upstream.CachedMultipleNegativesSymmetricRankingLoss, _NOTE)
-    class CachedMultipleNegativesSymmetricRankingLoss(
+    class CachedMultipleNegativesSymmetricRankingLoss(  # type: ignore[misc]
         CachedRankingMixin, _upstream.CachedMultipleNegativesSymmetricRankingLoss
     ):
         st_ext_upstream_class = _upstream.CachedMultipleNegativesSymmetricRankingLoss
