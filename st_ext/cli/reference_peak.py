@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from st_ext.losses.gist import GuidedLoss
 from st_ext.losses.registry import BASE_LOSSES, MATRYOSHKA_PREFIX, build_loss, known_losses, loss_spec
 from st_ext.memory import measure_peak
 from st_ext.training.frozen_encoders import frozen_encoder_losses
@@ -60,7 +61,8 @@ def uncached_counterpart(loss_name: str) -> str | None:
     counterpart = MATRYOSHKA_PREFIX + name if matryoshka else name
     spec, trained = BASE_LOSSES.get(name), loss_spec(loss_name)
     if (
-        counterpart not in known_losses()
+        spec is None
+        or counterpart not in known_losses()
         or spec.cached
         or (spec.columns, spec.guided) != (trained.columns, trained.guided)
     ):
@@ -77,6 +79,7 @@ def build_reference_loss(loss_name: str, trained_loss, model, dims: list[int]):
     kwargs: dict[str, Any] = {"matryoshka_dims": dims} if counterpart.startswith(MATRYOSHKA_PREFIX) else {}
     if loss_spec(counterpart).guided:
         holder = frozen_encoder_losses(trained_loss)[0]
+        assert isinstance(holder, GuidedLoss), "a guided registered loss holds its guide in a GIST loss"
         kwargs.update(
             holder._gist_options(),
             guide=getattr(holder, holder.encoder_attribute),
@@ -103,9 +106,10 @@ def measure_reference_peak(
 ) -> ReferencePeak | None:
     """The uncached counterpart's forward and backward peak on ``features`` (a collated batch's columns on
     ``device``), or None if the loss does not cache."""
-    reference = build_reference_loss(loss_name, trained_loss, model, dims)
-    if reference is None:
+    counterpart = uncached_counterpart(loss_name)
+    if counterpart is None:
         return None
+    reference = build_reference_loss(loss_name, trained_loss, model, dims)
     rows = len(next(iter(features[0].values())))
     labels = torch.zeros(rows, device=device) if labels is None else labels
     parameters = list(model.parameters())
@@ -128,7 +132,7 @@ def measure_reference_peak(
         for parameter, gradient in zip(parameters, gradients):
             parameter.grad = gradient
         model.train(was_training)
-    return ReferencePeak(uncached_counterpart(loss_name), loss_name, rows, batch, peak_mib, meter)
+    return ReferencePeak(counterpart, loss_name, rows, batch, peak_mib, meter)
 
 
 class FirstBatchKept:
