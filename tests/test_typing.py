@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -293,3 +294,13 @@ def test_the_script_without_mistakes_is_clean_and_inherits_upstreams_types(tmp_p
         assert shown[2 * index] != "Any", ours
     for name, shown_init in zip(constructed, shown[2 * len(pairs) :]):
         assert parameters_shown(shown_init) == parameters_a_call_takes(classes[name]), (name, shown_init)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_lint_step_runs_mypy_over_st_ext_at_the_newest_end():
+    """CI's first step, ``make lint``, runs mypy in the 6.2.0 environment with no target but pyproject's
+    ``[tool.mypy]`` files, st_ext: an error there fails CI, so none can come back."""
+    recipe = subprocess.run(
+        ["make", "--no-print-directory", "-n", "lint"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert ".venv/st6/bin/python -m mypy --cache-dir .mypy_cache" in recipe, recipe
