@@ -5,7 +5,8 @@
 * CPU: the torch profiler's allocation events, replayed in time order. It counts tensor storage
   only (not the Python heap), which is the part that activations, graphs and caches occupy.
 
-Figures are above the level on entry. Measurements nest (a training step measured around a loss
+Figures are above the level on entry: the peak, and what is still allocated on exit (``end_bytes``: what
+the block leaves alive, such as a graph it keeps). Measurements nest (a training step measured around a loss
 whose ``mini_batch_size="auto"`` probe measures too): the inner peak counts toward the outer one.
 """
 
@@ -37,6 +38,8 @@ class PeakMemory:
     device: torch.device
     meter: str
     peak_bytes: int = 0
+    #: Allocated on exit, above the level on entry: what the block leaves alive.
+    end_bytes: int = 0
 
     @property
     def peak_mib(self) -> float:
@@ -97,6 +100,7 @@ def _measure_cuda(device: torch.device) -> Iterator[PeakMemory]:
         yield result
     finally:
         torch.cuda.synchronize(device)
+        result.end_bytes = max(0, torch.cuda.memory_allocated(device) - window.baseline)
         window.fold(device)
         windows.pop()
         if windows:  # the enclosing window saw this one's peak, on top of the level this one started at
@@ -151,7 +155,7 @@ def _measure_cpu(device: torch.device) -> Iterator[PeakMemory]:
             outer = _CPU_WINDOWS[-1]
             outer.events += window.events
             outer.start()
-        result.peak_bytes = peak_of_allocation_events(window.events)
+        result.peak_bytes, result.end_bytes = replay_allocation_events(window.events)
 
 
 @contextlib.contextmanager
@@ -173,8 +177,9 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
-def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:
-    """Highest total of the blocks allocated inside the window and alive together.
+def replay_allocation_events(events: list[tuple[int, int]]) -> tuple[int, int]:
+    """Highest total of the blocks allocated inside the window and alive together, and the total of those
+    still alive at its end.
 
     A free counts only while a block of its size allocated inside the window is alive: the profiler
     also reports frees of blocks allocated during an earlier profiled window, which would otherwise
@@ -191,4 +196,4 @@ def peak_of_allocation_events(events: list[tuple[int, int]]) -> int:
             continue
         running += nbytes
         peak = max(peak, running)
-    return peak
+    return peak, running

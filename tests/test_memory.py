@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from st_ext.memory import CPU_METER, CUDA_METER, measure_peak, peak_of_allocation_events
+from st_ext.memory import CPU_METER, CUDA_METER, measure_peak, replay_allocation_events
 
 MIB = 2**20
 
@@ -51,11 +51,21 @@ def test_free_of_a_block_from_an_earlier_window_does_not_count():
 
 def test_peak_replays_events_in_time_order():
     events = [(3, -4), (1, 10), (2, 4), (4, 1)]
-    assert peak_of_allocation_events(events) == 14
+    assert replay_allocation_events(events) == (14, 11)
 
 
 def test_frees_without_an_allocation_in_the_window_are_ignored():
-    assert peak_of_allocation_events([(1, -8), (2, 5), (3, -7), (4, 2), (5, -5)]) == 7
+    assert replay_allocation_events([(1, -8), (2, 5), (3, -7), (4, 2), (5, -5)]) == (7, 2)
+
+
+def test_cpu_meter_reports_what_the_block_leaves_alive():
+    with measure_peak("cpu") as peak:
+        kept = torch.empty(3 * MIB, dtype=torch.uint8)
+        passing = torch.empty(5 * MIB, dtype=torch.uint8)
+        del passing
+    assert 3 * MIB <= peak.end_bytes < 3 * MIB + 64 * 1024
+    assert 8 * MIB <= peak.peak_bytes < 8 * MIB + 64 * 1024
+    del kept
 
 
 def test_unknown_device_is_refused():
@@ -71,6 +81,15 @@ def test_cuda_meter_sees_a_known_allocation():
         del block
     assert peak.meter == CUDA_METER
     assert 8 * MIB <= peak.peak_bytes < 8 * MIB + 2 * MIB
+    assert peak.end_bytes == 0
+
+
+@pytest.mark.cuda
+def test_cuda_meter_reports_what_the_block_leaves_alive():
+    with measure_peak("cuda") as peak:
+        kept = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+    assert peak.end_bytes == 3 * MIB
+    del kept
 
 
 def test_the_cpu_meter_prints_nothing_of_its_own(capfd):

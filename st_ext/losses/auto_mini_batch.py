@@ -11,9 +11,9 @@ trace (gradients already in ``.grad`` are put back, the random state is forked),
 error counts as over budget. Where the model can checkpoint, larger sizes are measured again with
 checkpointing on, and taken when the measured times say the step is faster. What the chosen size
 leaves of the budget holds kept graphs (partial caching: a kept mini-batch is not embedded a second
-time); what one costs is measured too, as the peak of two half-size graphs back-propagated together
-less that of one replayed graph, and at least a forward pass's with its graph, scaled. docs/speed.md
-says the rest.
+time): what a graph of the chosen size holds, and the peaks of the step's phases it adds to, are
+measured at that size (:class:`KeptGraphCosts`), each by a probe no larger than the replayed step
+already measured there. docs/speed.md says the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -62,8 +62,10 @@ class AutoChoice:
     #: Forward passes at ``size``, and how many of them keep their graph for the backward (partial caching).
     minibatches: int = 1
     kept: int = 0
-    #: The measured cost of one more kept graph (None: not measured, the whole batch is one pass).
+    #: What one kept graph holds from its forward to the backward, measured (None: the whole batch is one pass).
     kept_graph_bytes: int | None = None
+    #: The step's expected peak with one more graph kept (None: all but one are kept, or nothing measured).
+    one_more_bytes: int | None = None
     #: The step's peak at the choice (its graphs kept included), as measured and estimated here: the figure
     #: the step then measures, within :data:`EXPECTED_MARGIN` (None: no budget, nothing measured).
     expected_bytes: int | None = None
@@ -79,9 +81,12 @@ class AutoChoice:
         else:
             how = f"{self.minibatches} forward passes of at most {self.size} texts each, over {texts}"
             if self.kept:
-                how += f"; the first {self.kept} keep their graphs ({_mib(self.kept_graph_bytes or 0)} each)"
-            elif self.kept_graph_bytes is not None:
-                how += f"; no graph kept (keeping one would add {_mib(self.kept_graph_bytes)})"
+                how += (
+                    f"; the first {self.kept} keep their graphs "
+                    f"({_mib(self.kept_graph_bytes or 0)} each until the backward)"
+                )
+            elif self.one_more_bytes is not None:
+                how += f"; no graph kept (keeping one would take the step to {_mib(self.one_more_bytes)})"
         if self.checkpointing:
             how += ", with gradient checkpointing"
         if self.budget_bytes is None:
@@ -194,12 +199,53 @@ class AutoMiniBatch:
                 series = with_checkpointing
         choice.minibatches = series.minibatches(choice.size)
         choice.expected_bytes = series.peaks[choice.size]
-        if choice.size < rows:
-            choice.kept_graph_bytes = series.kept_graph_bytes(choice.size)
-            choice.kept = series.graphs_kept(choice.size, choice.kept_graph_bytes)
-            if choice.kept and choice.kept_graph_bytes is not None:
-                choice.expected_bytes += choice.kept * choice.kept_graph_bytes
+        costs = series.kept_graph_costs(choice.size) if choice.size < rows else None
+        if costs is not None:
+            # Keep as many graphs as the budget holds, at most all but one (were every one kept, the batch
+            # would be one pass, which did not fit).
+            expected = [series.step_peak(costs.graph_peak(kept), choice.size) for kept in range(choice.minibatches)]
+            choice.kept = max(kept for kept, peak in enumerate(expected) if kept == 0 or peak <= budget)
+            choice.kept_graph_bytes = costs.held
+            choice.expected_bytes = expected[choice.kept]
+            choice.one_more_bytes = expected[choice.kept + 1] if choice.kept + 1 < len(expected) else None
         return choice
+
+
+@dataclass(frozen=True)
+class KeptGraphCosts:
+    """A cached step's graph-part peaks at one mini-batch size, measured there, from which its peak with ``k``
+    of its graphs kept follows. The step runs in three phases: the first pass embeds the kept mini-batches with
+    their graphs and the others without; the kept graphs are back-propagated in one backward, the last one
+    built first (autograd runs them one after another, so the others stay alive meanwhile); the others are
+    replayed one at a time. A kept graph's backward peaks at the first one's, from the gradients the step started
+    with, or at a replayed one's once those gradients are in place, with the graphs not yet back-propagated
+    alive beside it. Each probe runs no more than one mini-batch of the chosen size, so none needs more
+    memory than the replayed step already measured to fit."""
+
+    #: The full-GradCache step's graph part: one mini-batch's forward and backward, again with the
+    #: parameters' gradients in place (the replays).
+    replayed: int
+    #: One graph back-propagated from the gradients the step starts with (the first kept graph's backward
+    #: allocates the parameters' gradients as its own activations are freed).
+    first_backward: int
+    #: A forward pass with its graph, at its peak, and what its graph holds once it returns.
+    forward: int
+    held: int
+    #: A forward pass without a graph (the other mini-batches' first pass).
+    no_graph: int
+
+    def graph_peak(self, kept: int) -> int:
+        """The step's graph-part peak with its first ``kept`` graphs kept (at most all but one)."""
+        if kept == 0:
+            return self.replayed
+        others = (kept - 1) * self.held
+        return max(
+            self.replayed,
+            others + self.forward,  # the last kept forward
+            kept * self.held + self.no_graph,  # the other mini-batches' first pass
+            others + self.first_backward,  # the first kept graph's backward
+            others - self.held + self.replayed,  # the second's, the parameters' gradients in place
+        )
 
 
 class _Series:
@@ -251,10 +297,9 @@ class _Series:
             passes = 1 if whole else 2
             began = time.perf_counter()
             with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
-                graph_peak, dim, self.meter = _probe_peak(
-                    self.model, batches[0], self.device, passes, more=batches[1:]
-                )
+                probe = _probe_peak(self.model, batches[0], self.device, passes, more=batches[1:])
             self.seconds[size] = (time.perf_counter() - began) / passes
+            graph_peak, dim, self.meter = probe.peak, probe.dim, probe.meter
             self.dim = dim
             peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)
             self.peaks[size] = -1 if peak is None else peak
@@ -293,6 +338,10 @@ class _Series:
         """A step's peak: the larger of the backward and the update."""
         return max(self._backward_peak(graph_peak, dim, size), self.update_bytes)
 
+    def step_peak(self, graph_peak: int, size: int) -> int:
+        """A step's peak at ``size`` from its graph part, once a probe has run (the embedding size known)."""
+        return self._step_peak(graph_peak, self.dim, size)
+
     def _backward_peak(self, graph_peak: int, dim: int, size: int) -> int:
         """Beyond one mini-batch's graph, the backward holds the batch's embeddings, their cached gradients
         and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block for ``size``
@@ -305,38 +354,22 @@ class _Series:
         """The forward passes of a batch at ``size``, as the engine plans them."""
         return len(plan_minibatches(self.sentence_features, self.layouts, size).minibatches)
 
-    def kept_graph_bytes(self, size: int) -> int | None:
-        """What one more graph of ``size`` rows alive until the backward adds to the peak, measured on half as
-        many rows and scaled: the kept graphs' backward (two half-size graphs alive together, back-propagated
-        once from the gradients the step starts with) against a replayed one's (one graph, the second of two
-        passes), and at least the peak of a forward pass that keeps its graph. Two half-size graphs hold no
-        more than one graph of ``size``, so measuring stays within the budget that size fits (None: size 1, or
-        out of memory)."""
-        half = size // 2
-        if half == 0:
-            return None
-        rows = tuple(Segment(c, r, r + 1) for c, r in self.order[:half])
-        features = minibatch_features(self.sentence_features, self.layouts, rows)
+    def kept_graph_costs(self, size: int) -> KeptGraphCosts | None:
+        """What keeping graphs of ``size`` rows costs, measured on that size's longest rows (None: out of memory)."""
+        features = self._longest(size)
         with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
-            one, _, _ = _probe_peak(self.model, features, self.device, 2)
-            two, _, _ = _probe_peak(self.model, features, self.device, 1, graphs=2)
-            held, _, _ = _probe_peak(self.model, features, self.device, 1, backward=False)
-        if one is None or two is None or held is None:
+            first_backward = _probe_peak(self.model, features, self.device, 1)
+            forward = _probe_peak(self.model, features, self.device, 1, backward=False)
+            no_graph = _probe_peak(self.model, features, self.device, 1, graph=False)
+        if first_backward.peak is None or forward.peak is None or no_graph.peak is None:
             return None
-        # Where the parameters' gradients set the peak, a second graph hides under it (two - one is about 0)
-        # until enough of them are alive together: each is charged at least what its forward holds.
-        return max(two - one, held, 1) * size // half
-
-    def graphs_kept(self, size: int, kept_graph_bytes: int | None) -> int:
-        """How many of the step's graphs at ``size`` the budget holds beside its backward, at most all but one
-        (were every one kept, the batch would be one pass, which did not fit). The first is charged too: it is
-        alive while the other mini-batches are embedded without a graph, and those passes' activations come on
-        top of it (7% of the step's peak with two mini-batches of a tiny BERT; next to nothing with eight of
-        all-MiniLM-L6-v2, whose peak the parameters' gradients set)."""
-        if kept_graph_bytes is None:
-            return 0
-        spare = self.budget - self._backward_peak(self.graphs[size], self.dim, size)
-        return max(0, min(self.minibatches(size) - 1, spare // kept_graph_bytes))
+        return KeptGraphCosts(
+            replayed=self.graphs[size],
+            first_backward=first_backward.peak,
+            forward=forward.peak,
+            held=forward.held,
+            no_graph=no_graph.peak,
+        )
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
@@ -418,20 +451,30 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
     return torch.device("cpu")
 
 
+class _Probe(NamedTuple):
+    """What one probe measured: its peak bytes (None: out of memory), what it left alive at its end (the graphs
+    of forward passes run without ``backward``), the embedding size and the meter."""
+
+    peak: int | None
+    held: int
+    dim: int
+    meter: str
+
+
 def _probe_peak(
     model: nn.Module,
     features: Features,
     device: torch.device,
     passes: int,
-    graphs: int = 1,
+    *,
     backward: bool = True,
+    graph: bool = True,
     more: Sequence[Features] = (),
-) -> tuple[int | None, int, str]:
-    """Peak bytes of ``passes`` forward and backward passes with a graph over ``features`` (None: out of
-    memory), the embedding size, and the meter. With ``graphs`` above 1, each pass embeds the features that
-    many times before one backward through every graph, as kept graphs are back-propagated; ``more``: further
+) -> _Probe:
+    """Peak bytes of ``passes`` forward and backward passes with a graph over ``features``. ``more``: further
     features each pass embeds before that backward (the other forward passes of a one-pass step); without
-    ``backward``, the forward passes' graphs are kept to the end of the measurement and dropped.
+    ``backward``, the forward passes' graphs are kept to the end of the measurement (its ``held`` bytes) and
+    dropped; without ``graph``, the forward passes run without one.
 
     The random state is forked: the probes' dropout leaves the step's draws as a fixed mini-batch makes them.
 
@@ -450,11 +493,13 @@ def _probe_peak(
         for param, grad in zip(params, saved):
             param.grad = None if grad is None else torch.zeros_like(grad)
         rng_devices = [device] if device.type == "cuda" else []  # dropout in a probe must not move the step's RNG
-        with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, torch.enable_grad():
+        grad_mode = torch.enable_grad() if graph else torch.no_grad()
+        with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, grad_mode:
             meter = peak.meter
             for _ in range(passes):
-                batches = [features] * graphs + list(more)
-                outputs = [module(batch)["sentence_embedding"] for batch in batches]
+                # A SentenceTransformer writes its outputs into the features it is given: a copy keeps a graph
+                # the probe holds from outliving it in the caller's features.
+                outputs = [module(dict(batch))["sentence_embedding"] for batch in [features, *more]]
                 dim = outputs[0].shape[-1]
                 if not outputs[0].requires_grad or not backward:
                     break
@@ -463,11 +508,11 @@ def _probe_peak(
     except torch.cuda.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return None, dim, meter
+        return _Probe(None, 0, dim, meter)
     finally:
         for param, grad in zip(params, saved):
             param.grad = grad
-    return peak.peak_bytes, dim, meter
+    return _Probe(peak.peak_bytes, peak.end_bytes, dim, meter)
 
 
 #: Optimizer states per parameter that a first step allocates, by optimizer class name (others: 2, as Adam).
