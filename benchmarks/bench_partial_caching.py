@@ -8,7 +8,8 @@ share forward passes: ``2 × batch ÷ mini-batch`` of them), each against upstre
 and its ratio to the uncached step, peak MiB and its ratio to the uncached peak. Keeping no graph is
 full GradCache (every mini-batch embedded twice); keeping every one is the uncached loss over the same
 forward passes, so time should fall from about 1.33× towards 1.0× while memory rises towards the
-uncached peak.
+uncached peak. Beside each measured peak below all graphs kept: the step peak ``mini_batch_size="auto"``
+expects for that count at this mini-batch, from its own probes (the figure its log line states).
 
 Time: wall clock (``torch.cuda.synchronize`` around it on CUDA), median of ``--repeats`` steps after one
 warm-up step; the losses take turns, one step each per round, so a machine whose load changes (a shared
@@ -36,6 +37,8 @@ from bench_cached_speed import batch_features, step, timed_step
 
 from st_ext import SentenceTransformer, losses
 from st_ext._compat import st_losses
+from st_ext.losses.auto_mini_batch import _Series
+from st_ext.losses.features import layout_of
 from st_ext.memory import measure_peak
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -69,6 +72,22 @@ def measured(model, named_losses: dict, features, device: torch.device, repeats:
     return results
 
 
+def auto_expected_mib(model, features, mini_batch: int, device: torch.device) -> dict[int, float]:
+    """The step peak the auto mode expects at ``mini_batch`` for each count of kept graphs short of all, from
+    the probes it runs before a step (the size's own, then what keeping graphs of it costs)."""
+    layouts = [layout_of(column) for column in features]
+    rows = sum(layout.rows for layout in layouts)
+    series = _Series(model, features, layouts, rows, 2**62, device)
+    series.largest_fitting(mini_batch)
+    costs = series.kept_graph_costs(mini_batch)
+    if costs is None:
+        return {}
+    return {
+        kept: series.step_peak(costs.graph_peak(kept), mini_batch) / 2**20
+        for kept in range(series.minibatches(mini_batch))
+    }
+
+
 def curve(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     model = load_model(args.model, args.device, args.seq_len)
@@ -81,6 +100,7 @@ def curve(args: argparse.Namespace) -> dict:
             model, mini_batch_size=args.mini_batch, kept_graphs=kept
         )
     cells = measured(model, named_losses, features, device, args.repeats, not args.no_memory)
+    expected = {} if args.no_memory else auto_expected_mib(model, features, args.mini_batch, device)
     uncached = cells["uncached"]
     print(
         f"batch {args.batch} pairs, seq {args.seq_len}, mini-batch {args.mini_batch} ({minibatches} forward passes); "
@@ -88,15 +108,29 @@ def curve(args: argparse.Namespace) -> dict:
         + ("-" if uncached["peak_mib"] is None else f"{uncached['peak_mib']:.0f} MiB"),
         flush=True,
     )
-    print(f"{'kept':>9} | {'step ms':>8} {'÷uncached':>9} | {'peak MiB':>8} {'÷uncached':>9}")
+    print(f"{'kept':>9} | {'step ms':>8} {'÷uncached':>9} | {'peak MiB':>8} {'÷uncached':>9} | {'auto expects':>12}")
     rows = []
     for share, kept in zip(args.shares, kept_counts):
         cell = cells[f"kept {kept}"]
         time_ratio = cell["ms"] / uncached["ms"]
         peak_ratio = None if cell["peak_mib"] is None else cell["peak_mib"] / uncached["peak_mib"]
-        rows.append({"share": share, "kept": kept, **cell, "time_ratio": time_ratio, "peak_ratio": peak_ratio})
-        peak = "-" if peak_ratio is None else f"{cell['peak_mib']:>8.0f} {peak_ratio:>8.2f}x"
-        print(f"{f'{kept}/{minibatches}':>9} | {cell['ms']:>8.0f} {time_ratio:>8.2f}x | {peak}", flush=True)
+        auto = expected.get(kept)
+        rows.append(
+            {
+                "share": share,
+                "kept": kept,
+                **cell,
+                "time_ratio": time_ratio,
+                "peak_ratio": peak_ratio,
+                "auto_mib": auto,
+            }
+        )
+        peak = "-" if peak_ratio is None else f"{cell['peak_mib']:>8.1f} {peak_ratio:>8.2f}x"
+        auto_cell = "-" if auto is None else f"{auto:.1f}"
+        print(
+            f"{f'{kept}/{minibatches}':>9} | {cell['ms']:>8.0f} {time_ratio:>8.2f}x | {peak} | {auto_cell:>12}",
+            flush=True,
+        )
     return {
         "header": {
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

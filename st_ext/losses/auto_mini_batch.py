@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ from st_ext.memory import measure_peak
 
 logger = logging.getLogger(__name__)
 
-AUTO = "auto"
+AUTO: Final = "auto"
 #: How far a step's measured peak may be from the figure the auto mode expected for it (the estimated score
 #: blocks and the meter's noise); benchmarks/bench_real_lengths.py checks it.
 EXPECTED_MARGIN = 0.15
@@ -125,9 +125,9 @@ class AutoMiniBatch:
     def __repr__(self) -> str:
         return f"AutoMiniBatch(memory_budget_mb={self.memory_budget_mb!r}, choice={self.choice})"
 
-    def size_for(
+    def choice_for(
         self, model: nn.Module, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
-    ) -> int:
+    ) -> AutoChoice:
         """The last choice, or a new measurement when this batch has more rows or a longer row."""
         rows = sum(layout.rows for layout in layouts)
         longest = max(_longest_row(features, layout) for features, layout in zip(sentence_features, layouts))
@@ -136,7 +136,7 @@ class AutoMiniBatch:
             self.choice = self._measure(model, sentence_features, layouts, rows, longest)
             self.choice.probe_seconds = time.perf_counter() - began
             logger.info(str(self.choice))
-        return self.choice.size
+        return self.choice
 
     def budget_bytes(self, model: nn.Module, device: torch.device) -> int | None:
         if self.memory_budget_mb is not None:

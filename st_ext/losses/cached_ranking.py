@@ -51,7 +51,7 @@ class CachedRankingMixin(nn.Module):
 
     st_ext_upstream_class: ClassVar[type[nn.Module]]
     #: Upstream's attribute, an int there; ``"auto"`` here until each batch resolves it.
-    mini_batch_size: int | str
+    mini_batch_size: int | Literal["auto"]
     document_ids: DocumentIds | None
 
     def _set_up(
@@ -170,7 +170,7 @@ class ScoresInChunks(Protocol):
     """What st_ext reads of an upstream cached loss: the size it scores its anchors by, and its loss over
     embeddings (which takes the labels too on upstream's shared GradCache base)."""
 
-    mini_batch_size: int | str
+    mini_batch_size: int | Literal["auto"]
 
     def calculate_loss(self, *args: Any, **kwargs: Any) -> Tensor: ...
 

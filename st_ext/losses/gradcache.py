@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from st_ext import checkpointing
 from st_ext._compat import st_modules, unwrapped_model
 from st_ext.gradient_sync import gradient_sync, parameters_sharded, without_forward_collectives
-from st_ext.losses.auto_mini_batch import AUTO
+from st_ext.losses.auto_mini_batch import AUTO, AutoMiniBatch
 from st_ext.losses.features import (  # noqa: F401  (Ranges, batch_size_of, row_keys: re-exported for the losses)
     ColumnLayout,
     Features,
@@ -101,9 +101,9 @@ class CachedLoss:
     name: str
     model: nn.Module
     start: StartStep
-    mini_batch_size: int | str
+    mini_batch_size: int | Literal["auto"]
     mini_batch_num_tokens: int | None = None
-    auto: Any = None
+    auto: AutoMiniBatch | None = None
     show_progress_bar: bool = False
     kept_graphs: int = 0
     terms: tuple[str, ...] = ()
@@ -355,7 +355,9 @@ class Sizing:
     kept_graphs: int = 0
 
 
-def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]) -> Sizing:
+def resolve_mini_batching(
+    loss: CachedLoss, sentence_features: Sequence[Features], layouts: Sequence[ColumnLayout]
+) -> Sizing:
     """This batch's :class:`Sizing` for a :class:`~st_ext.losses.gradcache.CachedLoss`, ``"auto"``
     resolved by its :class:`AutoMiniBatch`. Nothing is written on the loss: the engine hands the size on."""
     if loss.mini_batch_size != AUTO:
@@ -366,8 +368,10 @@ def resolve_mini_batching(loss: Any, sentence_features: Sequence[Features], layo
             "parameters are sharded across ranks (FSDP, DeepSpeed ZeRO-3) cannot do: every forward pass is a "
             "collective. Set a fixed mini_batch_size, e.g. the size an unsharded run chose."
         )
-    size = loss.auto.size_for(loss.model, sentence_features, layouts)
-    return Sizing(size, None, loss.auto.choice.checkpointing, loss.auto.choice.kept)
+    auto = loss.auto
+    assert auto is not None, "a cached loss built with mini_batch_size='auto' carries its AutoMiniBatch"
+    choice = auto.choice_for(loss.model, sentence_features, layouts)
+    return Sizing(choice.size, None, choice.checkpointing, choice.kept)
 
 
 def gradcache_forward(
