@@ -276,9 +276,9 @@ def test_out_of_memory_while_measuring_counts_as_over_budget(model, monkeypatch)
     choice = loss.auto_mini_batch.choice
     assert choice.size == 4 and not choice.checkpointing
     # 8 rows ran out of memory, and again with checkpointing (the lever measures the size that fitted, then
-    # the next size up); then a backward from the step's first gradients, a forward keeping its graph and one
-    # without, all of 4 rows, measure what keeping graphs of 4 costs.
-    assert probe_rows == [1, 2, 4, 8, 4, 8, 4, 4, 4] and choice.tried[8] == choice.tried["8+ckpt"] == -1
+    # the next size up); then a forward and backward from the step's first gradients (its forward measured
+    # apart) and a forward without a graph, both of 4 rows, measure what keeping graphs of 4 costs.
+    assert probe_rows == [1, 2, 4, 8, 4, 8, 4, 4] and choice.tried[8] == choice.tried["8+ckpt"] == -1
     assert "8: out of memory" in str(choice)
 
 

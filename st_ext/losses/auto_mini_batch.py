@@ -269,6 +269,11 @@ class _Series:
         self.update_bytes = update_bytes
         self.graphs: dict[int, int] = {}  # measured graph peaks by size
         self.cells: dict[int, int] = {}  # padded token positions each measured size embedded
+        self.forwards: dict[int, int] = {}  # each measured size's forward peak, from no gradients
+        #: The parameters' gradients a step allocates (none where it starts with them, as accumulation does).
+        self.gradient_bytes = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None
+        )
         self.slope_hint: float | None = None
         self.order = _longest_first(sentence_features, layouts)
         self.peaks: dict[int, int] = {}
@@ -306,6 +311,7 @@ class _Series:
             if graph_peak is not None:
                 self.graphs[size] = graph_peak
                 self.cells[size] = sum(_padded_cells(batch) for batch in batches)
+                self.forwards[size] = probe.forward_peak
             if peak is None or peak > self.budget:
                 return fitting
             fitting = size
@@ -323,16 +329,23 @@ class _Series:
         return [minibatch_features(self.sentence_features, self.layouts, minibatch) for minibatch in plan.minibatches]
 
     def _whole_batch_extrapolated(self) -> int | None:
-        """The one pass's graph peak on the line through the last two measured sizes, by padded token
-        positions (short queries beside long passages cost less than their rows say)."""
-        if len(self.graphs) < 2:
+        """The one pass's graph peak by padded token positions (short queries beside long passages cost less
+        than their rows say): on the line through the last two measured sizes, and at least its forward
+        beside the parameters' gradients (see :meth:`_extrapolated`)."""
+        if not self.graphs:
             return None
-        (small, low), (large, high) = sorted(self.graphs.items())[-2:]
-        spread = self.cells[large] - self.cells[small]
-        if spread <= 0:
+        large, high = max(self.graphs.items())
+        if self.cells[large] <= 0:
             return None
         whole = sum(_padded_cells(batch) for batch in self._whole_batch())
-        return int(high + max(high - low, 0) / spread * (whole - self.cells[large]))
+        further = whole - self.cells[large]
+        estimate = max(high, self.gradient_bytes + self.forwards[large] * whole / self.cells[large])
+        if len(self.graphs) >= 2:
+            small, low = sorted(self.graphs.items())[-2]
+            spread = self.cells[large] - self.cells[small]
+            if spread > 0:
+                estimate = max(estimate, high + max(high - low, 0) / spread * further)
+        return int(estimate)
 
     def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
         """A step's peak: the larger of the backward and the update."""
@@ -359,15 +372,14 @@ class _Series:
         features = self._longest(size)
         with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
             first_backward = _probe_peak(self.model, features, self.device, 1)
-            forward = _probe_peak(self.model, features, self.device, 1, backward=False)
             no_graph = _probe_peak(self.model, features, self.device, 1, graph=False)
-        if first_backward.peak is None or forward.peak is None or no_graph.peak is None:
+        if first_backward.peak is None or no_graph.peak is None:
             return None
         return KeptGraphCosts(
             replayed=self.graphs[size],
             first_backward=first_backward.peak,
-            forward=forward.peak,
-            held=forward.held,
+            forward=first_backward.forward_peak,
+            held=first_backward.held,
             no_graph=no_graph.peak,
         )
 
@@ -380,13 +392,21 @@ class _Series:
 
     def _extrapolated(self, size: int) -> int | None:
         """The graph peak at ``size`` on the line through the last measured size, with this series'
-        slope or, before it has two sizes, the hint's (the plain series bounds the checkpointed one)."""
-        slope = self.slope()
-        slope = self.slope_hint if slope is None else slope
-        if slope is None or not self.graphs:
+        slope or, before it has two sizes, the hint's (the plain series bounds the checkpointed one); and at
+        least a forward pass of ``size`` rows beside the parameters' gradients (the replays' forward), the
+        last measured forward scaled. Where the gradients (and a dense embedding gradient in the backward) set
+        the peak, it stays flat over the first sizes and so does the line through them, until the forward's
+        activations take over: the forward's share says where that happens before a probe would pass the
+        budget finding out."""
+        if not self.graphs:
             return None
         large, high = max(self.graphs.items())
-        return int(high + slope * (size - large))
+        estimate = max(high, self.gradient_bytes + self.forwards[large] * size / large)
+        slope = self.slope()
+        slope = self.slope_hint if slope is None else slope
+        if slope is not None:
+            estimate = max(estimate, high + slope * (size - large))
+        return int(estimate)
 
     def step_seconds(self, size: int) -> float:
         """A step's estimated time at ``size``: one plain pass, or a no-grad and a graph pass per mini-batch
@@ -452,10 +472,11 @@ def _device_of(sentence_features: Sequence[Features]) -> torch.device:
 
 
 class _Probe(NamedTuple):
-    """What one probe measured: its peak bytes (None: out of memory), what it left alive at its end (the graphs
-    of forward passes run without ``backward``), the embedding size and the meter."""
+    """What one probe measured: its peak bytes (None: out of memory); its first forward's peak and what that
+    forward's graphs hold once it returns; the embedding size and the meter."""
 
     peak: int | None
+    forward_peak: int
     held: int
     dim: int
     meter: str
@@ -467,14 +488,13 @@ def _probe_peak(
     device: torch.device,
     passes: int,
     *,
-    backward: bool = True,
     graph: bool = True,
     more: Sequence[Features] = (),
 ) -> _Probe:
-    """Peak bytes of ``passes`` forward and backward passes with a graph over ``features``. ``more``: further
-    features each pass embeds before that backward (the other forward passes of a one-pass step); without
-    ``backward``, the forward passes' graphs are kept to the end of the measurement (its ``held`` bytes) and
-    dropped; without ``graph``, the forward passes run without one.
+    """Peak bytes of ``passes`` forward and backward passes with a graph over ``features``, and of the first
+    forward alone with what its graphs hold once it returns (measured inside, at no extra pass). ``more``:
+    further features each pass embeds before that backward (the other forward passes of a one-pass step);
+    without ``graph``, one forward pass without a graph.
 
     The random state is forked: the probes' dropout leaves the step's draws as a fixed mini-batch makes them.
 
@@ -488,7 +508,7 @@ def _probe_peak(
     local = gradient_sync(module, sync=False)
     params = [p for p in module.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
-    dim, meter = 0, ""
+    dim, meter, forward_peak, held = 0, "", 0, 0
     try:
         for param, grad in zip(params, saved):
             param.grad = None if grad is None else torch.zeros_like(grad)
@@ -496,23 +516,26 @@ def _probe_peak(
         grad_mode = torch.enable_grad() if graph else torch.no_grad()
         with local, torch.random.fork_rng(devices=rng_devices), measure_peak(device) as peak, grad_mode:
             meter = peak.meter
-            for _ in range(passes):
-                # A SentenceTransformer writes its outputs into the features it is given: a copy keeps a graph
-                # the probe holds from outliving it in the caller's features.
-                outputs = [module(dict(batch))["sentence_embedding"] for batch in [features, *more]]
+            for index in range(passes):
+                with measure_peak(device) if index == 0 else contextlib.nullcontext() as forward:
+                    # A SentenceTransformer writes its outputs into the features it is given: a copy keeps a
+                    # graph the probe holds from outliving it in the caller's features.
+                    outputs = [module(dict(batch))["sentence_embedding"] for batch in [features, *more]]
+                if forward is not None:
+                    forward_peak, held = forward.peak_bytes, forward.end_bytes
                 dim = outputs[0].shape[-1]
-                if not outputs[0].requires_grad or not backward:
+                if not outputs[0].requires_grad:
                     break
                 sum(output.float().pow(2).sum() for output in outputs).backward()
                 del outputs
     except torch.cuda.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return _Probe(None, 0, dim, meter)
+        return _Probe(None, forward_peak, held, dim, meter)
     finally:
         for param, grad in zip(params, saved):
             param.grad = grad
-    return _Probe(peak.peak_bytes, peak.end_bytes, dim, meter)
+    return _Probe(peak.peak_bytes, forward_peak, held, dim, meter)
 
 
 #: Optimizer states per parameter that a first step allocates, by optimizer class name (others: 2, as Adam).

@@ -255,9 +255,10 @@ def replay_backward(
     def replay(minibatch: MiniBatch, state: RngState | None, cached: list[Tensor | None], scale: Tensor) -> bool:
         """False when none of the mini-batch's outputs needs a gradient."""
         assert state is not None, "a graph pass keeps each mini-batch's RNG state"
-        features = minibatch_features(sentence_features, plan.layouts, minibatch)
         with state.replay():
-            outputs = encoder(model, features)
+            # Not bound to a name: a SentenceTransformer writes its token embeddings into the features it is
+            # given, which would then stay alive through the backward.
+            outputs = encoder(model, minibatch_features(sentence_features, plan.layouts, minibatch))
         pairs = [(out, grad) for out, grad in zip(outputs, cached) if grad is not None and out.requires_grad]
         if pairs:
             _surrogates_backward(pairs, scale)
