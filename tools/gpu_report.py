@@ -902,6 +902,11 @@ def part6(ctx: Context, part: Part) -> None:
         return (
             "; ".join(
                 f"{row['kept']}/{results['minibatches']} kept: time {row['time_ratio']:.2f}x, peak {row['peak_ratio']:.2f}x"
+                + (
+                    ""
+                    if row["auto_mib"] is None
+                    else f" ({row['peak_mib']:.0f} MiB, auto expects {row['auto_mib']:.0f})"
+                )
                 for row in results["rows"]
             )
             + f" (÷ uncached: {results['uncached']['ms']:.0f} ms, {results['uncached']['peak_mib']:.0f} MiB)"
