@@ -15,7 +15,14 @@ import logging
 
 import pytest
 import torch
-from loss_checks import assert_same_grads, features_of, grads_differ, loss_and_grads, text_columns
+from loss_checks import (
+    assert_same_grads,
+    features_of,
+    grads_differ,
+    loss_and_grads,
+    steady_step_peak,
+    text_columns,
+)
 from test_cached_mechanics import live_tensors
 
 from st_ext import losses
@@ -157,17 +164,6 @@ def auto_cmnrl(model, budget_bytes: float):
     )
 
 
-def step_peak_of(model, loss, features) -> int:
-    """The peak of a training step after a first one (which, in the auto mode, measures)."""
-    model.zero_grad(set_to_none=True)
-    loss(features, None).backward()
-    model.zero_grad(set_to_none=True)
-    with measure_peak("cpu") as peak:
-        loss(features, None).backward()
-    model.zero_grad(set_to_none=True)
-    return peak.peak_bytes
-
-
 def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog):
     """Under a budget between two sizes' steps, the auto mode takes the smaller and keeps as many of its graphs
     as the budget holds (the first costs the step nothing: it stands in for a replayed one), says so once,
@@ -195,7 +191,7 @@ def test_auto_keeps_the_graphs_its_budget_holds_within_that_budget(model, caplog
     assert [record.getMessage() for record in caplog.records] == [str(choice)]
     assert f"{choice.minibatches} forward passes of at most 8 texts each" in str(choice)
     assert f"the first {choice.kept} keep their graphs" in str(choice)
-    measured = step_peak_of(model, loss, features)
+    measured = steady_step_peak(model, loss, features)
     assert measured <= budget, choice
     assert abs(measured - choice.expected_bytes) <= EXPECTED_MARGIN * choice.expected_bytes, (choice, measured)
     graph, no_graph, replayed = forward_passes(model, loss, columns)
@@ -220,7 +216,7 @@ def test_auto_expects_the_peak_the_step_measures_for_every_count_of_kept_graphs(
     assert expected == sorted(expected) and expected[-1] > expected[0], expected
     for kept, figure in enumerate(expected):
         loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=8, kept_graphs=kept)
-        measured = step_peak_of(model, loss, features)
+        measured = steady_step_peak(model, loss, features)
         assert abs(measured - figure) <= EXPECTED_MARGIN * figure, (kept, measured, figure)
 
 

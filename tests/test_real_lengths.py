@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-from loss_checks import assert_same_grads, features_of, loss_and_grads, text_columns
+from loss_checks import assert_same_grads, features_of, loss_and_grads, steady_step_peak, text_columns
 
 from st_ext import losses
 from st_ext._compat import st_losses
 from st_ext.losses.auto_mini_batch import EXPECTED_MARGIN
 from st_ext.losses.features import layout_of, minibatch_features
 from st_ext.losses.minibatches import plan_minibatches
-from st_ext.memory import measure_peak
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 upstream = st_losses()
@@ -36,16 +35,6 @@ def queries_and_passages(seed: int = 0) -> list[list[str]]:
 def widths_of(features, plan) -> list[tuple[int, int]]:
     """(rows, width) of every forward pass the plan makes."""
     return [tuple(minibatch_features(features, plan.layouts, mb)["input_ids"].shape) for mb in plan.minibatches]
-
-
-def step_peak(model, loss, features) -> int:
-    model.zero_grad(set_to_none=True)
-    loss(features, None).backward()  # lazily built caches and the auto mode's measuring happen here
-    model.zero_grad(set_to_none=True)
-    with measure_peak("cpu") as peak:
-        loss(features, None).backward()
-    model.zero_grad(set_to_none=True)
-    return peak.peak_bytes
 
 
 def test_columns_of_different_widths_never_share_a_padded_pass(model):
@@ -77,7 +66,7 @@ def test_one_pass_over_short_queries_equals_and_peaks_no_higher_than_the_uncache
     )
     model.train()
     features = features_of(model, columns)
-    cached_peak, uncached_peak = step_peak(model, cached, features), step_peak(model, uncached, features)
+    cached_peak, uncached_peak = steady_step_peak(model, cached, features), steady_step_peak(model, uncached, features)
     assert cached_peak <= 1.02 * uncached_peak, (cached_peak, uncached_peak)
 
 
@@ -85,8 +74,8 @@ def test_auto_without_a_budget_peaks_no_higher_than_no_caching(model):
     model.train()
     features = features_of(model, queries_and_passages(seed=2))
     auto = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto")
-    auto_peak = step_peak(model, auto, features)
-    uncached_peak = step_peak(model, upstream.MultipleNegativesRankingLoss(model), features)
+    auto_peak = steady_step_peak(model, auto, features)
+    uncached_peak = steady_step_peak(model, upstream.MultipleNegativesRankingLoss(model), features)
     assert auto.auto_mini_batch.choice.expected_bytes is None, "no budget: nothing measured, no figure to expect"
     assert auto_peak <= 1.02 * uncached_peak, (auto_peak, uncached_peak)
 
@@ -95,11 +84,11 @@ def test_auto_without_a_budget_peaks_no_higher_than_no_caching(model):
 def test_auto_expects_the_peak_the_step_measures_and_logs_what_measuring_took(model, caplog, share):
     model.train()
     features = features_of(model, queries_and_passages(seed=3))
-    uncached_peak = step_peak(model, upstream.MultipleNegativesRankingLoss(model), features)
+    uncached_peak = steady_step_peak(model, upstream.MultipleNegativesRankingLoss(model), features)
     budget = share * uncached_peak
     loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size="auto", memory_budget_mb=budget / 2**20)
     with caplog.at_level(logging.INFO, logger="st_ext.losses.auto_mini_batch"):
-        measured = step_peak(model, loss, features)
+        measured = steady_step_peak(model, loss, features)
     choice = loss.auto_mini_batch.choice
     assert choice.expected_bytes is not None and measured <= budget, (choice, measured)
     assert abs(measured - choice.expected_bytes) <= EXPECTED_MARGIN * choice.expected_bytes, (choice, measured)
