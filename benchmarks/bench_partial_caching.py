@@ -77,7 +77,8 @@ def auto_expected_mib(model, features, mini_batch: int, device: torch.device) ->
     the probes it runs before a step (the size's own, then what keeping graphs of it costs)."""
     layouts = [layout_of(column) for column in features]
     rows = sum(layout.rows for layout in layouts)
-    series = _Series(model, features, layouts, rows, 2**62, device)
+    # A budget of 0 bytes: the series measures this size, finds it over, and probes no larger one.
+    series = _Series(model, features, layouts, rows, 0, device)
     series.largest_fitting(mini_batch)
     costs = series.kept_graph_costs(mini_batch)
     if costs is None:

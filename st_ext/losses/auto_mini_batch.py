@@ -285,14 +285,14 @@ class _Series:
         """The largest probed size from ``start`` up whose step fits the budget (0: none). Sizes below the
         batch probe one mini-batch of the batch's longest rows; the whole batch probes the one pass the engine
         would run (its forward passes as planned, every graph alive, one backward)."""
-        fitting, dim = 0, 0
+        fitting = 0
         sizes = list(_candidates(len(self.order), start))
         if len(self.order) < self.rows and (not sizes or sizes[-1] == len(self.order)):
             sizes.append(self.rows)  # columns embedded apart: one pass over the batch holds every column's graph
         for size in sizes:
             whole = size >= self.rows
             predicted = self._whole_batch_extrapolated() if whole else self._extrapolated(size)
-            estimate = None if predicted is None else self._step_peak(predicted, dim, size)
+            estimate = None if predicted is None else self.step_peak(predicted, size)
             if estimate is not None and estimate > self.budget:
                 # The graph grows linearly with the rows: a probe this size would pass the budget
                 # itself, on the step that measures. Its estimate stands in for it.
@@ -304,9 +304,8 @@ class _Series:
             with checkpointing.switched_on(self.model) if self.checkpointed else contextlib.nullcontext():
                 probe = _probe_peak(self.model, batches[0], self.device, passes, more=batches[1:])
             self.seconds[size] = (time.perf_counter() - began) / passes
-            graph_peak, dim, self.meter = probe.peak, probe.dim, probe.meter
-            self.dim = dim
-            peak = None if graph_peak is None else self._step_peak(graph_peak, dim, size)
+            graph_peak, self.dim, self.meter = probe.peak, probe.dim, probe.meter
+            peak = None if graph_peak is None else self.step_peak(graph_peak, size)
             self.peaks[size] = -1 if peak is None else peak
             if graph_peak is not None:
                 self.graphs[size] = graph_peak
@@ -347,21 +346,17 @@ class _Series:
                 estimate = max(estimate, high + max(high - low, 0) / spread * further)
         return int(estimate)
 
-    def _step_peak(self, graph_peak: int, dim: int, size: int) -> int:
-        """A step's peak: the larger of the backward and the update."""
-        return max(self._backward_peak(graph_peak, dim, size), self.update_bytes)
-
     def step_peak(self, graph_peak: int, size: int) -> int:
-        """A step's peak at ``size`` from its graph part, once a probe has run (the embedding size known)."""
-        return self._step_peak(graph_peak, self.dim, size)
+        """A step's peak at ``size`` from its graph part: the larger of the backward and the update."""
+        return max(self._backward_peak(graph_peak, size), self.update_bytes)
 
-    def _backward_peak(self, graph_peak: int, dim: int, size: int) -> int:
+    def _backward_peak(self, graph_peak: int, size: int) -> int:
         """Beyond one mini-batch's graph, the backward holds the batch's embeddings, their cached gradients
         and a transformed copy (Matryoshka, normalisation), in fp32, and the loss's score block for ``size``
         anchors against every candidate with its softmax and gradient (estimated)."""
         anchors = self.layouts[0].rows
         candidates = self.rows - anchors if len(self.layouts) > 1 else self.rows
-        return graph_peak + 4 * (3 * self.rows * dim + 3 * min(size, anchors) * max(candidates, 1))
+        return graph_peak + 4 * (3 * self.rows * self.dim + 3 * min(size, anchors) * max(candidates, 1))
 
     def minibatches(self, size: int) -> int:
         """The forward passes of a batch at ``size``, as the engine plans them."""
