@@ -23,7 +23,9 @@ Data: st_ext's built-in pairs (standard-library function names -> their docstrin
 row the summary of the next member of the same module (its neighbour in the built-in order) as a hard negative.
 Batches never hold one text twice (as upstream's ``no_duplicates`` sampler). Training is a plain loop (AdamW,
 constant learning rate) so that every configuration sees exactly the same batches of rows per seed; wall time
-is the training loop's alone (the peak measurement and the evaluation excluded).
+is the training loop's alone (the peak measurement and the evaluation excluded). The auto mode measures inside
+that loop (again when a batch has more rows or a longer row): the table says how often, and for how long, beside
+its time, and whether the chosen passes checkpoint.
 
     python benchmarks/bench_quality.py [--small-batch 4] [--factors 8 32] [--seeds 0 1 2] [--epochs 1]
         [--train-pairs 512] [--eval-pairs 200] [--max-seq-length 32] [--hard-negatives] [--only uncached "st_ext CachedMNRL (fixed)"]
@@ -48,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -59,7 +62,7 @@ from st_ext import SentenceTransformer, losses
 from st_ext._compat import embedding_dimension, preprocess, st_losses
 from st_ext.cli.demo_data import stdlib_pairs
 from st_ext.cli.evaluation import evaluate, retrieval_evaluators
-from st_ext.losses.auto_mini_batch import BudgetTooSmallError, auto_mini_batch_of
+from st_ext.losses.auto_mini_batch import AutoChoice, BudgetTooSmallError, auto_mini_batch_of
 from st_ext.memory import measure_peak
 
 upstream = st_losses()
@@ -119,6 +122,9 @@ class Outcome:
     seconds: list[float] = field(default_factory=list)
     scores: list[dict[int, dict[str, float]]] = field(default_factory=list)
     note: str = ""
+    #: The auto mode's measurements in each seed's training, and the seconds they took (inside ``seconds``).
+    measurements: list[int] = field(default_factory=list)
+    measuring_seconds: list[float] = field(default_factory=list)
 
 
 def configurations(settings: Settings) -> list[Config]:
@@ -300,9 +306,24 @@ def forward_backward_peak(loss: nn.Module, model: nn.Module, rows: list[dict[str
     return round(max(peaks), 1)
 
 
-def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], learning_rate: float) -> float:
-    """Train on the given batches; returns the wall time of the loop in seconds."""
+class Training(NamedTuple):
+    """One seed's training: the loop's wall time, and the auto mode's measurements within it (none for a
+    fixed mini-batch) with the seconds they took."""
+
+    seconds: float
+    measurements: list[AutoChoice]
+
+    @property
+    def measuring_seconds(self) -> float:
+        return sum(choice.probe_seconds for choice in self.measurements)
+
+
+def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], learning_rate: float) -> Training:
+    """Train on the given batches, noting each new choice of the auto mode (it measures again when a batch has
+    more rows or a longer row than the one it measured)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    auto = auto_mini_batch_of(loss)
+    measurements: list[AutoChoice] = []
     model.train()
     started = time.perf_counter()
     for epoch in epochs:
@@ -310,9 +331,15 @@ def train(loss: nn.Module, model: nn.Module, epochs: list[list[list[dict]]], lea
             optimizer.zero_grad(set_to_none=True)
             loss(features(model, rows), torch.zeros(len(rows), device=model.device)).backward()
             optimizer.step()
+            if (
+                auto is not None
+                and auto.choice is not None
+                and (not measurements or auto.choice is not measurements[-1])
+            ):
+                measurements.append(auto.choice)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    return time.perf_counter() - started
+    return Training(time.perf_counter() - started, measurements)
 
 
 def default_dims(dimension: int) -> tuple[int, ...]:
@@ -381,11 +408,12 @@ def run(
             model = load_model(settings.model, settings.max_seq_length, settings.device)
             loss = config.build(model, context)
             epochs = [batches(train_rows, config.batch_size, seed * 1000 + epoch) for epoch in range(settings.epochs)]
-            outcome.seconds.append(round(train(loss, model, epochs, settings.learning_rate), 2))
-            auto = auto_mini_batch_of(loss)
-            if auto is not None and auto.choice is not None:  # the last choice: it covers the epoch's longest batch
-                choice = auto.choice
-                outcome.mini_batch = f"auto: {choice.size}, {choice.kept} of {choice.minibatches} graphs kept"
+            training = train(loss, model, epochs, settings.learning_rate)
+            outcome.seconds.append(round(training.seconds, 2))
+            if training.measurements:  # the last choice: it covers the epoch's longest batch
+                outcome.mini_batch = auto_label(training.measurements[-1])
+                outcome.measurements.append(len(training.measurements))
+                outcome.measuring_seconds.append(round(training.measuring_seconds, 2))
             model.eval()
             outcome.scores.append(evaluate(model, evaluators))
             del model, loss
@@ -397,6 +425,25 @@ def run(
         results["complete"] = number == len(configs)
         written(results)
     return results
+
+
+def auto_label(choice: AutoChoice) -> str:
+    """The mini-batch column for the auto mode's choice."""
+    checkpointed = " checkpointed" if choice.checkpointing else ""
+    return f"auto: {choice.size}{checkpointed}, {choice.kept} of {choice.minibatches} graphs kept"
+
+
+def train_seconds_cell(outcome: dict) -> str:
+    """Mean ± spread of the training time; for the auto mode, also how often it measured and for how long."""
+    if not outcome["seconds"]:
+        return "-"
+    cell = "{:.1f} ± {:.1f}".format(*mean_spread(outcome["seconds"]))
+    counts, seconds = outcome.get("measurements", []), outcome.get("measuring_seconds", [])
+    if counts:
+        low, high = min(counts), max(counts)
+        times = f"{low}" if low == high else f"{low}-{high}"
+        cell += f" (measuring: {times}×, {statistics.fmean(seconds):.1f} s)"
+    return cell
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -454,7 +501,7 @@ def markdown_table(results: dict) -> str:
             for metric in REPORTED:
                 values = [scores[str(dim)][metric] for scores in outcome["scores"]]
                 cells.append("-" if not values else "{:.4f} ± {:.4f}".format(*mean_spread(values)))
-        cells.append("-" if not outcome["seconds"] else "{:.1f} ± {:.1f}".format(*mean_spread(outcome["seconds"])))
+        cells.append(train_seconds_cell(outcome))
         lines.append("| " + " | ".join(cells) + " |")
     settings = results["settings"]
     notes = [

@@ -40,6 +40,11 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
             assert outcome["label"].startswith("st_ext CachedMNRL auto") and outcome["note"].startswith("refused")
             continue
         assert outcome["peak_mib"] > 0 and len(outcome["seconds"]) == 1
+        if outcome["mini_batch"].startswith("auto"):  # it measured on the first batch, inside the timed loop
+            assert outcome["measurements"][0] >= 1
+            assert 0 < outcome["measuring_seconds"][0] < outcome["seconds"][0]
+        else:
+            assert outcome["measurements"] == [] and outcome["measuring_seconds"] == []
         (scores,) = outcome["scores"]
         assert set(scores) == {"32", "10", "5"}
         assert all(0 <= scores[dim][metric] <= 1 for dim in scores for metric in ("ndcg@10", "mrr@10"))
@@ -53,12 +58,27 @@ def test_the_smallest_configuration_writes_its_table_plot_and_results(tiny_bert_
         and f"peaks at {results['budget_mib']} MiB" in table
     )
     assert written["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for outcome in results["outcomes"]:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {outcome['label']} |"))
+        assert ("measuring: " in row) == bool(outcome["measurements"])
 
     # A machine without matplotlib writes no plot; the plot and table are drawn later from results.json.
     elsewhere = tmp_path / "elsewhere"
     redrawn = bench["main"](["--from-results", str(written["results"]), "--out", str(elsewhere)])
     assert redrawn["table"].read_text() == table and redrawn["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(bench["write_outputs"](results, tmp_path / "bare", with_plot=False)) == {"results", "table"}
+
+
+def test_the_auto_rows_say_how_often_and_how_long_it_measured_and_whether_it_checkpoints():
+    bench = runpy.run_path(str(BENCHMARK), run_name="bench_quality")
+    choice = bench["AutoChoice"](size=16, rows=64, longest_row=32, budget_bytes=1, checkpointing=True, minibatches=4)
+    choice.kept = 2
+    assert bench["auto_label"](choice) == "auto: 16 checkpointed, 2 of 4 graphs kept"
+    choice.checkpointing = False
+    assert bench["auto_label"](choice) == "auto: 16, 2 of 4 graphs kept"
+    auto = {"seconds": [40.0, 42.0], "measurements": [3, 4], "measuring_seconds": [4.0, 5.0]}
+    assert bench["train_seconds_cell"](auto) == "41.0 ± 1.4 (measuring: 3-4×, 4.5 s)"
+    assert bench["train_seconds_cell"]({"seconds": [29.0]}) == "29.0 ± 0.0", "an earlier results.json has no counts"
 
 
 def test_batches_hold_no_text_twice_and_no_batch_of_one_row():
