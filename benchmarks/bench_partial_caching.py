@@ -83,10 +83,7 @@ def auto_expected_mib(model, features, mini_batch: int, device: torch.device) ->
     costs = series.kept_graph_costs(mini_batch)
     if costs is None:
         return {}
-    return {
-        kept: series.step_peak(costs.graph_peak(kept), mini_batch) / 2**20
-        for kept in range(series.minibatches(mini_batch))
-    }
+    return {kept: peak / 2**20 for kept, peak in enumerate(series.peaks_by_kept_graphs(mini_batch, costs))}
 
 
 def curve(args: argparse.Namespace) -> dict:

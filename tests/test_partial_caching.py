@@ -211,8 +211,7 @@ def test_auto_expects_the_peak_the_step_measures_for_every_count_of_kept_graphs(
     series.largest_fitting(8)
     costs = series.kept_graph_costs(8)
     assert costs is not None
-    minibatches = series.minibatches(8)
-    expected = [series.step_peak(costs.graph_peak(kept), 8) for kept in range(minibatches)]
+    expected = series.peaks_by_kept_graphs(8, costs)
     assert expected == sorted(expected) and expected[-1] > expected[0], expected
     for kept, figure in enumerate(expected):
         loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=8, kept_graphs=kept)

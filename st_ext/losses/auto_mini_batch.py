@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -203,7 +203,7 @@ class AutoMiniBatch:
         if costs is not None:
             # Keep as many graphs as the budget holds, at most all but one (were every one kept, the batch
             # would be one pass, which did not fit).
-            expected = [series.step_peak(costs.graph_peak(kept), choice.size) for kept in range(choice.minibatches)]
+            expected = series.peaks_by_kept_graphs(choice.size, costs)
             choice.kept = max(kept for kept, peak in enumerate(expected) if kept == 0 or peak <= budget)
             choice.kept_graph_bytes = costs.held
             choice.expected_bytes = expected[choice.kept]
@@ -329,22 +329,10 @@ class _Series:
 
     def _whole_batch_extrapolated(self) -> int | None:
         """The one pass's graph peak by padded token positions (short queries beside long passages cost less
-        than their rows say): on the line through the last two measured sizes, and at least its forward
-        beside the parameters' gradients (see :meth:`_extrapolated`)."""
+        than their rows say)."""
         if not self.graphs:
             return None
-        large, high = max(self.graphs.items())
-        if self.cells[large] <= 0:
-            return None
-        whole = sum(_padded_cells(batch) for batch in self._whole_batch())
-        further = whole - self.cells[large]
-        estimate = max(high, self.gradient_bytes + self.forwards[large] * whole / self.cells[large])
-        if len(self.graphs) >= 2:
-            small, low = sorted(self.graphs.items())[-2]
-            spread = self.cells[large] - self.cells[small]
-            if spread > 0:
-                estimate = max(estimate, high + max(high - low, 0) / spread * further)
-        return int(estimate)
+        return self._on_the_line(sum(_padded_cells(batch) for batch in self._whole_batch()), self.cells)
 
     def step_peak(self, graph_peak: int, size: int) -> int:
         """A step's peak at ``size`` from its graph part: the larger of the backward and the update."""
@@ -361,6 +349,11 @@ class _Series:
     def minibatches(self, size: int) -> int:
         """The forward passes of a batch at ``size``, as the engine plans them."""
         return len(plan_minibatches(self.sentence_features, self.layouts, size).minibatches)
+
+    def peaks_by_kept_graphs(self, size: int, costs: KeptGraphCosts) -> list[int]:
+        """The step's expected peak at ``size`` with 0, 1, ... of its graphs kept, short of all (were every one
+        kept, the batch would be one pass)."""
+        return [self.step_peak(costs.graph_peak(kept), size) for kept in range(self.minibatches(size))]
 
     def kept_graph_costs(self, size: int) -> KeptGraphCosts | None:
         """What keeping graphs of ``size`` rows costs, measured on that size's longest rows (None: out of memory)."""
@@ -380,27 +373,43 @@ class _Series:
 
     def slope(self) -> float | None:
         """Graph bytes per row, from the last two measured sizes (None: fewer measured)."""
+        return self._slope(self._row_positions())
+
+    def _slope(self, positions: Mapping[int, int]) -> float | None:
+        """Graph bytes per unit of ``positions`` (each measured size's, in rows or padded token positions) between
+        the last two measured sizes (None: fewer measured, or both at one position)."""
         if len(self.graphs) < 2:
             return None
         (small, low), (large, high) = sorted(self.graphs.items())[-2:]
-        return max(high - low, 0) / (large - small)
+        spread = positions[large] - positions[small]
+        return max(high - low, 0) / spread if spread > 0 else None
+
+    def _row_positions(self) -> dict[int, int]:
+        return {size: size for size in self.graphs}
 
     def _extrapolated(self, size: int) -> int | None:
-        """The graph peak at ``size`` on the line through the last measured size, with this series'
-        slope or, before it has two sizes, the hint's (the plain series bounds the checkpointed one); and at
-        least a forward pass of ``size`` rows beside the parameters' gradients (the replays' forward), the
-        last measured forward scaled. Where the gradients (and a dense embedding gradient in the backward) set
-        the peak, it stays flat over the first sizes and so does the line through them, until the forward's
+        """The graph peak at ``size`` rows, before two sizes are measured on the hint's slope (the plain series
+        bounds the checkpointed one)."""
+        return self._on_the_line(size, self._row_positions(), self.slope_hint)
+
+    def _on_the_line(self, at: int, positions: Mapping[int, int], slope_hint: float | None = None) -> int | None:
+        """The graph peak at position ``at`` (``positions``: each measured size's, in rows or padded token
+        positions) on the line through the last two measured sizes (before two, with ``slope_hint``'s slope),
+        and at least a forward pass there beside the parameters' gradients (the replays' forward), the last
+        measured forward scaled. Where the gradients (and a dense embedding gradient in the backward) set the
+        peak, it stays flat over the first sizes and so does the line through them, until the forward's
         activations take over: the forward's share says where that happens before a probe would pass the
-        budget finding out."""
+        budget finding out. None: nothing measured yet, or the last size at no position."""
         if not self.graphs:
             return None
         large, high = max(self.graphs.items())
-        estimate = max(high, self.gradient_bytes + self.forwards[large] * size / large)
-        slope = self.slope()
-        slope = self.slope_hint if slope is None else slope
+        reached = positions[large]
+        if reached <= 0:
+            return None
+        estimate = max(high, self.gradient_bytes + self.forwards[large] * at / reached)
+        slope = self._slope(positions) if len(self.graphs) >= 2 else slope_hint
         if slope is not None:
-            estimate = max(estimate, high + slope * (size - large))
+            estimate = max(estimate, high + slope * (at - reached))
         return int(estimate)
 
     def step_seconds(self, size: int) -> float:
